@@ -1,0 +1,18 @@
+"""dspine_jax: DSpine speculative decoding in pure JAX/Pallas."""
+
+from dspine_jax.drafter_io import init_drafter, load_drafter, save_drafter
+from dspine_jax.generate import GenerationResult, generate
+from dspine_jax.target import Target, load_target
+from dspine_jax.tokenizer import load_tokenizer
+
+__all__ = [
+    "GenerationResult",
+    "Target",
+    "generate",
+    "init_drafter",
+    "load_drafter",
+    "load_target",
+    "load_tokenizer",
+    "save_drafter",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,100 @@
+"""Target KV cache: static capacity, one committed length per batch row.
+
+Slot ``s`` of a row holds the K/V of the token at absolute position ``s``. A block forward writes its
+tokens at ``lengths … lengths+T-1`` but does not move ``lengths``: the caller commits how many of them
+are kept (all of them in autoregressive decoding, the accepted prefix in a speculative round).
+Uncommitted slots are overwritten later and are never visible, because a query at position ``p``
+only sees slots ``≤ p``, all of which were written before the query ran.
+
+``HybridCache`` (Qwen3.5 / Qwen3-Next targets) adds, per Gated-DeltaNet layer, the conv window and
+the recurrent state. Unlike K/V these are *not* position-indexed: a block forward advances them past
+every token of the block. ``commit(n)`` therefore only keeps the state consistent when ``n`` equals
+the block length (autoregressive decoding); a speculative round that keeps a shorter prefix must
+rewind them with ``hybrid.replay`` (which also commits), see dspine_jax/hybrid.py.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+from jax import Array
+
+from dspine_jax.config import HybridConfig, TargetConfig
+
+
+@struct.dataclass
+class KVCache:
+    # One buffer per layer, heads-major: exactly the operands attention consumes, so a decode step
+    # neither slices a stacked cache nor transposes it (on XLA:CPU both are full copies).
+    k: tuple[Array, ...]  # L × [B, K, S, D]
+    v: tuple[Array, ...]  # L × [B, K, S, D]
+    lengths: Array  # [B] int32, committed tokens per row
+
+    @property
+    def capacity(self) -> int:
+        return self.v[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def commit(self, num_tokens: Array) -> "KVCache":
+        """Keep ``num_tokens [B]`` more tokens of the block just written."""
+        return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
+
+
+def init_kv_cache(config: TargetConfig, batch: int, capacity: int, dtype: jnp.dtype) -> KVCache:
+    shape = (batch, config.num_kv_heads, capacity, config.head_dim)
+    return KVCache(
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        lengths=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+@struct.dataclass
+class HybridCache:
+    """Cache of a hybrid target: K/V for the full-attention layers only, GDN state for the others.
+
+    Per-layer buffers, like ``KVCache``: ``La`` full-attention layers and ``Lg`` GDN layers (each in
+    layer order). ``C`` = GDN conv channels (q, k, v concatenated), ``W`` = conv kernel − 1,
+    ``Nv`` value heads, ``Dk``/``Dv`` key/value head dims.
+    """
+
+    k: tuple[Array, ...]  # La × [B, K, S, D]
+    v: tuple[Array, ...]  # La × [B, K, S, D]
+    conv: tuple[Array, ...]  # Lg × [B, C, W] float32: the last W conv inputs (pre-conv q|k|v projections)
+    state: tuple[Array, ...]  # Lg × [B, Nv, Dk, Dv] float32: recurrent state
+    lengths: Array  # [B] int32, committed tokens per row
+
+    @property
+    def capacity(self) -> int:
+        return self.v[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def commit(self, num_tokens: Array) -> "HybridCache":
+        """Keep ``num_tokens [B]`` more tokens of the block just written.
+
+        Only correct for the GDN state when ``num_tokens`` is the whole block; otherwise use
+        ``hybrid.replay`` (it rewinds the GDN state and commits in one step).
+        """
+        return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
+
+
+def init_hybrid_cache(config: HybridConfig, batch: int, capacity: int, dtype: jnp.dtype) -> HybridCache:
+    if not config.attention_layers:
+        raise ValueError("a hybrid target needs at least one full-attention layer (its K/V cache sets the capacity)")
+    kv_shape = (batch, config.num_kv_heads, capacity, config.head_dim)
+    conv_shape = (batch, config.gdn_conv_dim, config.linear_conv_kernel - 1)
+    state_shape = (batch, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+    la, lg = len(config.attention_layers), len(config.gdn_layers)
+    return HybridCache(
+        k=tuple(jnp.zeros(kv_shape, dtype) for _ in range(la)),
+        v=tuple(jnp.zeros(kv_shape, dtype) for _ in range(la)),
+        conv=tuple(jnp.zeros(conv_shape, jnp.float32) for _ in range(lg)),
+        state=tuple(jnp.zeros(state_shape, jnp.float32) for _ in range(lg)),
+        lengths=jnp.zeros((batch,), jnp.int32),
+    )

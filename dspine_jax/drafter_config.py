@@ -1,0 +1,293 @@
+"""Drafter ``config.json`` (z-lab DFlash / SpecForge DSpine layout) ↔ a frozen, hashable ``DrafterConfig``.
+
+Both layouts are a Qwen3 ``config.json`` (``hidden_size``, ``num_attention_heads``, ``head_dim``, …) plus:
+
+* DFlash (z-lab ``dflash``): top-level ``block_size``, ``num_target_layers`` and
+  ``dflash_config {mask_token_id, target_layer_ids}``;
+* DSpine (SpecForge): the same plus ``is_causal: true`` and ``dspine_config {transfer_rank,
+  message_size, top_k, …training knobs…}``.
+
+In-block causality follows the reference implementations (z-lab ``Qwen3DFlashAttention`` and
+SpecForge ``resolve_dflash_is_causal``): an explicit ``is_causal`` applies to every layer; when unset,
+``full_attention`` layers are bidirectional and ``sliding_attention`` layers are causal. A DSpine
+drafter is causal in every layer whatever the file says (its injection assumes slot t never sees t+1).
+
+Sliding windows follow HF's ``Qwen3Config``: ``sliding_window`` only counts when ``use_sliding_window``
+is true. A ``sliding_attention`` layer without an effective window is rejected (SpecForge rejects it too;
+z-lab would silently run it unwindowed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+DRAFTER_KINDS = ("dflash", "dspine")
+
+# SpecForge's DSpineConfig defaults; the training-only fields are kept so a saved config round-trips.
+DSPINE_DEFAULTS: dict[str, Any] = {
+    "transfer_rank": 1024,
+    "message_size": 512,
+    "top_k": 16,
+    "ce_weight": 0.1,
+    "alignment_weight": 0.5,
+    "alignment_warmup_steps": 146,
+    "replacement_layers": 3,
+    "replacement_probability": 0.5,
+    "replacement_hold_ratio": 1 / 6,
+    "replacement_end_ratio": 1 / 3,
+    "candidate_mass_threshold": 1e-4,
+}
+
+
+class DrafterConfigError(ValueError):
+    """A drafter config.json that is malformed or describes something this package does not run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Everything static about a drafter. Hashable, so it can ride as a static jit argument."""
+
+    kind: str  # "dflash" | "dspine"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int  # anchor + block_size-1 proposals
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]  # HF numbering: layer i's output = hidden_states[i+1]
+    num_target_layers: int
+    layer_windows: tuple[int, ...]  # per drafter layer: 0 = unwindowed, w > 0 = query-key distance < w
+    layer_causal: tuple[bool, ...]  # per drafter layer: causal inside the block?
+    # Decode head: C candidates per slot. DSpine: dspine_config.top_k. DFlash: the whole vocabulary
+    # (the draft distribution is then the plain softmax over V, as in z-lab's sampler).
+    top_k: int
+    transfer_rank: int = 0  # R (DSpine only)
+    message_size: int = 0  # M (DSpine only)
+    # z-lab options (default no-ops): block embedding scale, logit multiplier and tanh soft-cap.
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+    # The parsed config.json (sorted-keys JSON) so save_drafter writes back every key we do not model.
+    raw_json: str = dataclasses.field(default="{}", compare=False, repr=False)
+
+    @property
+    def is_dspine(self) -> bool:
+        return self.kind == "dspine"
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def dspine_settings(self) -> dict[str, Any]:
+        """The full ``dspine_config`` dict (training knobs included) as it will be saved."""
+        raw = json.loads(self.raw_json).get("dspine_config") or {}
+        out = {**DSPINE_DEFAULTS, **raw}
+        out.update(transfer_rank=self.transfer_rank, message_size=self.message_size, top_k=self.top_k)
+        return out
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference default tap layers: evenly spaced from 1 to N-3 (36 layers, 5 taps → 1,9,17,25,33).
+
+    Uses Python's ``round`` (banker's rounding) exactly like z-lab / SpecForge so the ids agree.
+    """
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(round(start + (i * span) / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise DrafterConfigError(f"drafter rope type {rope_type!r} is not supported (only 'default' RoPE)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _int(cfg: dict[str, Any], key: str, where: str = "config.json") -> int:
+    if key not in cfg or cfg[key] is None:
+        raise DrafterConfigError(f"drafter {where} is missing {key!r}")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise DrafterConfigError(f"drafter {where} {key!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
+    """Parse a z-lab DFlash or SpecForge DSpine ``config.json`` dict."""
+    archs = cfg.get("architectures") or []
+    dflash_cfg = cfg.get("dflash_config") or {}
+    dspine_raw = cfg.get("dspine_config")
+    kind = "dspine" if (dspine_raw is not None or "DSpineDraftModel" in archs) else "dflash"
+
+    hidden = _int(cfg, "hidden_size")
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise DrafterConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    num_layers = _int(cfg, "num_hidden_layers")
+    if cfg.get("attention_bias"):
+        raise DrafterConfigError("drafters with attention_bias=true are not supported (DFlash/DSpine have no biases)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise DrafterConfigError(f"drafter hidden_act {act!r} is not supported (only 'silu')")
+    modes = dflash_cfg.get("attention_modes") or [dflash_cfg.get("attention_mode", "gqa")]
+    if any(str(m).lower() not in ("gqa", "mha") for m in modes):
+        raise DrafterConfigError(f"drafter attention mode(s) {modes} not supported (only gqa/mha)")
+
+    block_size = int(dflash_cfg.get("block_size", cfg.get("block_size", 16)))
+    if block_size < 2:
+        raise DrafterConfigError(f"drafter block_size={block_size}: a block needs an anchor and at least one proposal")
+    mask_token_id = dflash_cfg.get("mask_token_id", cfg.get("mask_token_id"))
+    if mask_token_id is None:
+        raise DrafterConfigError("drafter config.json has no dflash_config.mask_token_id")
+    num_target_layers = int(cfg.get("num_target_layers") or 0)
+    ids = dflash_cfg.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if ids is None:
+        if not num_target_layers:
+            raise DrafterConfigError(
+                "drafter config.json has neither dflash_config.target_layer_ids nor num_target_layers"
+            )
+        ids = build_target_layer_ids(num_target_layers, num_layers)
+    target_layer_ids = tuple(int(i) for i in ids)
+    if not target_layer_ids:
+        raise DrafterConfigError("drafter target_layer_ids is empty")
+
+    layer_types = list(cfg.get("layer_types") or ["full_attention"] * num_layers)
+    if len(layer_types) != num_layers:
+        raise DrafterConfigError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={num_layers}")
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    is_causal = cfg.get("is_causal")
+    windows, causal = [], []
+    for i, kind_i in enumerate(layer_types):
+        if kind_i == "full_attention":
+            windows.append(0)
+        elif kind_i == "sliding_attention":
+            if not sliding or int(sliding) <= 0:
+                raise DrafterConfigError(
+                    f"drafter layer {i} is sliding_attention but there is no effective window "
+                    f"(use_sliding_window={cfg.get('use_sliding_window')}, sliding_window={cfg.get('sliding_window')})"
+                )
+            windows.append(int(sliding))
+        else:
+            raise DrafterConfigError(f"drafter layer type {kind_i!r} is not supported")
+        causal.append(bool(is_causal) if is_causal is not None else kind_i == "sliding_attention")
+
+    vocab = _int(cfg, "vocab_size")
+    transfer_rank = message_size = 0
+    top_k = vocab
+    if kind == "dspine":
+        causal = [True] * num_layers
+        settings = {**DSPINE_DEFAULTS, **(dspine_raw or {})}
+        transfer_rank = _int(settings, "transfer_rank", "dspine_config")
+        message_size = _int(settings, "message_size", "dspine_config")
+        top_k = _int(settings, "top_k", "dspine_config")
+        if not 0 < transfer_rank <= min(hidden, vocab - 1):
+            raise DrafterConfigError(
+                f"dspine_config.transfer_rank={transfer_rank} must be in [1, min(hidden_size, vocab_size-1)]"
+            )
+        if message_size < 1 or not 1 <= top_k <= vocab:
+            raise DrafterConfigError(
+                f"dspine_config needs message_size >= 1 and top_k in [1, vocab_size] (got {message_size}, {top_k})"
+            )
+
+    softcap = dflash_cfg.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
+    return DrafterConfig(
+        kind=kind,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=_int(cfg, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        block_size=block_size,
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=target_layer_ids,
+        num_target_layers=num_target_layers,
+        layer_windows=tuple(windows),
+        layer_causal=tuple(causal),
+        top_k=top_k,
+        transfer_rank=transfer_rank,
+        message_size=message_size,
+        input_embedding_scale=float(dflash_cfg.get("input_embedding_scale", cfg.get("input_embedding_scale", 1.0))),
+        output_multiplier=float(dflash_cfg.get("output_multiplier", cfg.get("output_multiplier", 1.0))),
+        final_logit_softcapping=float(softcap or 0.0),
+        raw_json=json.dumps(cfg, sort_keys=True),
+    )
+
+
+def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:
+    """The config.json dict for ``config``: the original keys, with every modelled field written back."""
+    cfg: dict[str, Any] = json.loads(config.raw_json)
+    any_window = max(config.layer_windows, default=0)
+    cfg.update(
+        architectures=["DSpineDraftModel" if config.is_dspine else "DFlashDraftModel"],
+        model_type=cfg.get("model_type", "qwen3"),
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        attention_bias=False,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={"rope_theta": config.rope_theta, "rope_type": "default"},
+        layer_types=["sliding_attention" if w else "full_attention" for w in config.layer_windows],
+        use_sliding_window=bool(any_window),
+        sliding_window=any_window or None,
+        block_size=config.block_size,
+        num_target_layers=config.num_target_layers,
+    )
+    cfg.pop("rope_theta", None)  # rope_parameters is the transformers>=5 spelling; keep one source of truth
+    dflash_cfg = dict(cfg.get("dflash_config") or {})
+    dflash_cfg.update(mask_token_id=config.mask_token_id, target_layer_ids=list(config.target_layer_ids))
+    cfg["dflash_config"] = dflash_cfg
+    if config.is_dspine:
+        cfg["is_causal"] = True
+        cfg["dspine_config"] = config.dspine_settings
+    else:
+        # Only write is_causal when the per-layer default (sliding ⇒ causal) would not reproduce it.
+        default = tuple(w > 0 for w in config.layer_windows)
+        if config.layer_causal != default:
+            if len(set(config.layer_causal)) != 1:
+                raise DrafterConfigError(
+                    "per-layer causality that is neither uniform nor the layer-type default cannot be saved"
+                )
+            cfg["is_causal"] = config.layer_causal[0]
+        else:
+            cfg.pop("is_causal", None)
+    return cfg
+
+
+def load_drafter_config(model_dir: str | os.PathLike) -> DrafterConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: not a drafter checkpoint directory")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterConfigError(f"{path} is not valid JSON: {e}") from e
+    return drafter_config_from_dict(cfg)

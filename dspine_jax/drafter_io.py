@@ -1,0 +1,360 @@
+"""Drafter checkpoints: load / save the z-lab DFlash and SpecForge DSpine layouts, and fresh init.
+
+A checkpoint directory is ``config.json`` + ``model.safetensors`` (or a sharded index) with torch
+``[out, in]`` Linear weights, names without a prefix (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
+``injection.readouts.0.weight``, buffer ``transfer_codes``, SpecForge's ``transfer_ready`` flag …).
+Every tensor must be consumed exactly once; anything missing, extra or mis-shaped is a
+``CheckpointError`` naming the tensor.
+
+DSpine ``transfer_codes``: used as stored when present and ``transfer_ready`` is not false; otherwise
+recomputed from the target's LM head (deterministic, see ``transfer_codes_from_head``). Recomputed codes
+fix eigenvector signs by our own convention; a *trained* checkpoint saved without its codes may have
+been trained against other signs, so ship the codes with trained weights (``save_drafter`` always does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from dspine_jax.drafter import Drafter, DrafterLayer, DrafterParams, Injection, transfer_codes_from_head
+from dspine_jax.drafter_config import (
+    DSPINE_DEFAULTS,
+    DrafterConfig,
+    DrafterConfigError,
+    build_target_layer_ids,
+    drafter_config_from_dict,
+    drafter_config_to_dict,
+    load_drafter_config,
+)
+from dspine_jax.target import Target
+from dspine_jax.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
+
+# (our DrafterLayer field, torch suffix under layers.{i}., transpose to [in, out]?)
+_LAYER_SPEC: tuple[tuple[str, str, bool], ...] = (
+    ("input_norm", "input_layernorm.weight", False),
+    ("q", "self_attn.q_proj.weight", True),
+    ("k", "self_attn.k_proj.weight", True),
+    ("v", "self_attn.v_proj.weight", True),
+    ("o", "self_attn.o_proj.weight", True),
+    ("q_norm", "self_attn.q_norm.weight", False),
+    ("k_norm", "self_attn.k_norm.weight", False),
+    ("post_norm", "post_attention_layernorm.weight", False),
+    ("gate", "mlp.gate_proj.weight", True),
+    ("up", "mlp.up_proj.weight", True),
+    ("down", "mlp.down_proj.weight", True),
+)
+
+
+def _layer_torch_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    h, n, k, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    return {
+        "input_norm": (h,),
+        "q": (n * d, h),
+        "k": (k * d, h),
+        "v": (k * d, h),
+        "o": (h, n * d),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "post_norm": (h,),
+        "gate": (f, h),
+        "up": (f, h),
+        "down": (h, f),
+    }
+
+
+def check_compatible(config: DrafterConfig, target: Target) -> None:
+    """A drafter reads the target's features and uses its embedding and head: widths and vocab must agree."""
+    tc = target.config
+    if config.hidden_size != tc.hidden_size:
+        raise CheckpointError(
+            f"drafter hidden_size {config.hidden_size} does not match the target's hidden_size {tc.hidden_size} "
+            f"(fc.weight expects {config.num_taps}×{config.hidden_size} target features)"
+        )
+    if config.vocab_size != tc.vocab_size:
+        raise CheckpointError(
+            f"drafter vocab_size {config.vocab_size} does not match the target's vocab_size {tc.vocab_size} "
+            "(the drafter decodes with the target's embedding and LM head)"
+        )
+    if config.num_target_layers and config.num_target_layers != tc.num_layers:
+        raise CheckpointError(
+            f"drafter was built for a {config.num_target_layers}-layer target; this target has {tc.num_layers} layers"
+        )
+    bad = [i for i in config.target_layer_ids if not 0 <= i < tc.num_layers]
+    if bad:
+        raise CheckpointError(
+            f"drafter target_layer_ids {list(config.target_layer_ids)} name layers {bad} "
+            f"outside the {tc.num_layers}-layer target"
+        )
+    if not 0 <= config.mask_token_id < tc.vocab_size:
+        raise CheckpointError(
+            f"drafter mask_token_id {config.mask_token_id} is outside the target vocabulary ({tc.vocab_size})"
+        )
+
+
+def params_from_tensors(
+    tensors: dict[str, np.ndarray], config: DrafterConfig, target: Target, dtype: jnp.dtype
+) -> DrafterParams:
+    """Torch-named, torch-layout tensors → ``DrafterParams``. Consumes every tensor or raises."""
+    tensors = strip_prefix(tensors, ["draft_model.", "model."])
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    h, n_taps = config.hidden_size, config.num_taps
+
+    def cast(x: np.ndarray) -> jax.Array:
+        return jnp.asarray(np.asarray(x, dtype=np.float32), dtype=dtype)
+
+    fc = take(tensors, "fc.weight", (h, n_taps * h)).T
+    hidden_norm = take(tensors, "hidden_norm.weight", (h,))
+    norm = take(tensors, "norm.weight", (h,))
+    shapes = _layer_torch_shapes(config)
+    layers = []
+    for i in range(config.num_layers):
+        weights = {}
+        for field, suffix, transpose in _LAYER_SPEC:
+            w = take(tensors, f"layers.{i}.{suffix}", shapes[field])
+            weights[field] = cast(w.T if transpose else w)
+        layers.append(DrafterLayer(**weights))
+    injection = codes = None
+    if config.is_dspine:
+        r, m = config.transfer_rank, config.message_size
+        injection = Injection(
+            readouts=tuple(
+                cast(take(tensors, f"injection.readouts.{i}.weight", (r, h)).T) for i in range(config.num_layers)
+            ),
+            writes=tuple(
+                cast(take(tensors, f"injection.writes.{i}.weight", (h, m)).T) for i in range(config.num_layers)
+            ),
+            message=cast(take(tensors, "injection.message.weight", (m, r)).T),
+            receiver_gate=cast(take(tensors, "injection.receiver_gate.weight", (m, r)).T),
+            predecessor_gate=cast(take(tensors, "injection.predecessor_gate.weight", (m, r)).T),
+            bias=cast(take(tensors, "injection.bias", (m,))),
+        )
+        ready = True
+        if "transfer_ready" in tensors:
+            # torch saves the flag as a 0-d bool; accept a 1-element vector too (np.ascontiguousarray
+            # turns 0-d arrays into 1-d ones, so some writers produce that).
+            flag = tensors.pop("transfer_ready")
+            if flag.size != 1:
+                raise CheckpointError(f"tensor 'transfer_ready' has shape {tuple(flag.shape)}, expected ()")
+            ready = bool(flag.reshape(()))
+        if "transfer_codes" in tensors:
+            stored = take(tensors, "transfer_codes", (config.vocab_size, r))
+            codes = cast(stored) if ready else None
+        if codes is None:  # absent, or SpecForge's never-initialised zeros
+            codes = transfer_codes_from_head(target.params.lm_head, r)[0].astype(dtype)
+    check_consumed(tensors, f"{config.kind} drafter")
+    return DrafterParams(
+        fc=cast(fc),
+        hidden_norm=cast(hidden_norm),
+        layers=tuple(layers),
+        norm=cast(norm),
+        injection=injection,
+        transfer_codes=codes,
+    )
+
+
+def load_drafter(path: str | os.PathLike, target: Target, dtype: str | jnp.dtype | None = None) -> Drafter:
+    """Load a z-lab DFlash or SpecForge DSpine checkpoint directory for ``target``.
+
+    ``dtype`` defaults to the target's (the drafter shares its embedding and head)."""
+    model_dir = Path(path)
+    try:
+        config = load_drafter_config(model_dir)
+    except DrafterConfigError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from e
+    check_compatible(config, target)
+    dtype = _resolve_dtype(dtype, target)
+    params = params_from_tensors(load_safetensors_dir(model_dir), config, target, dtype)
+    return Drafter(params=params, config=config)
+
+
+def drafter_to_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
+    """``Drafter`` → torch-named, torch-layout numpy tensors (dtype preserved, bf16 via ml_dtypes)."""
+    p, c = drafter.params, drafter.config
+
+    def host(x: jax.Array, transpose: bool = False) -> np.ndarray:
+        a = np.asarray(jax.device_get(x))
+        return np.ascontiguousarray(a.T if transpose else a)
+
+    out = {"fc.weight": host(p.fc, True), "hidden_norm.weight": host(p.hidden_norm), "norm.weight": host(p.norm)}
+    for i, layer in enumerate(p.layers):
+        for field, suffix, transpose in _LAYER_SPEC:
+            out[f"layers.{i}.{suffix}"] = host(getattr(layer, field), transpose)
+    if c.is_dspine:
+        inj = p.injection
+        for i in range(c.num_layers):
+            out[f"injection.readouts.{i}.weight"] = host(inj.readouts[i], True)
+            out[f"injection.writes.{i}.weight"] = host(inj.writes[i], True)
+        out["injection.message.weight"] = host(inj.message, True)
+        out["injection.receiver_gate.weight"] = host(inj.receiver_gate, True)
+        out["injection.predecessor_gate.weight"] = host(inj.predecessor_gate, True)
+        out["injection.bias"] = host(inj.bias)
+        out["transfer_codes"] = host(p.transfer_codes)
+        out["transfer_ready"] = np.array(True)
+    return out
+
+
+def save_drafter(drafter: Drafter, path: str | os.PathLike) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the reference layout (loadable by z-lab's
+    ``DFlashDraftModel.from_pretrained`` / SpecForge's ``DSpineDraftModel``)."""
+    out_dir = Path(path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = drafter_config_to_dict(drafter.config)
+    cfg["dtype"] = "bfloat16" if drafter.dtype == jnp.bfloat16 else "float32"
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    # safetensors directly rather than weights.save_safetensors: the latter's np.ascontiguousarray
+    # would turn the 0-d ``transfer_ready`` flag into shape (1,), which torch's load_state_dict rejects.
+    save_file(drafter_to_tensors(drafter), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _resolve_dtype(dtype: str | jnp.dtype | None, target: Target) -> jnp.dtype:
+    if dtype is None:
+        return target.dtype
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(set(_DTYPES))}")
+        return _DTYPES[dtype]
+    return dtype
+
+
+def init_drafter(
+    target: Target,
+    kind: str = "dspine",
+    num_layers: int = 5,
+    intermediate_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    transfer_rank: int | None = None,
+    message_size: int | None = None,
+    top_k: int = 16,
+    block_size: int = 16,
+    target_layer_ids: tuple[int, ...] | list[int] | None = None,
+    mask_token_id: int | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    initializer_range: float = 0.02,
+    seed: int = 0,
+    dtype: str | jnp.dtype | None = None,
+) -> Drafter:
+    """A fresh drafter for ``target``, initialised the way SpecForge does.
+
+    Backbone Linear weights ~ N(0, initializer_range) and norms = 1 (HF ``Qwen3PreTrainedModel``); DSpine
+    ``message``/``receiver_gate`` keep torch's default Linear init U(±1/√R) (they are created after
+    ``post_init``); ``writes``, ``predecessor_gate`` and ``bias`` are zero, so a fresh DSpine computes
+    exactly a causal DFlash; readouts = the PCA directions of the transfer space.
+
+    Defaults: heads/head_dim/intermediate/eps/rope from the target; ``target_layer_ids`` evenly spaced
+    (z-lab's rule, one tap per drafter layer); ``mask_token_id`` = the target's pad id, else V-1;
+    ``transfer_rank`` = min(1024, H, V-1); ``message_size`` = max(1, min(512, R/2)); unwindowed
+    attention unless ``sliding_window`` is given (then every layer slides). DFlash in-block attention is
+    bidirectional unless ``is_causal``. ``top_k`` is DSpine's candidate count C; a DFlash drafter always
+    decodes over the whole vocabulary (C = V).
+    """
+    if kind not in ("dspine", "dflash"):
+        raise ValueError(f"kind must be 'dspine' or 'dflash', got {kind!r}")
+    tc = target.config
+    h, v = tc.hidden_size, tc.vocab_size
+    ids = tuple(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(tc.num_layers, num_layers)
+    if mask_token_id is None:
+        mask_token_id = tc.pad_token_id if tc.pad_token_id is not None else v - 1
+    cfg: dict[str, Any] = {
+        "architectures": ["DSpineDraftModel" if kind == "dspine" else "DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": v,
+        "hidden_size": h,
+        "intermediate_size": intermediate_size or tc.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads or tc.num_heads,
+        "num_key_value_heads": num_kv_heads or tc.num_kv_heads,
+        "head_dim": head_dim or tc.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": tc.rms_norm_eps,
+        "rope_parameters": {"rope_theta": tc.rope_theta, "rope_type": "default"},
+        "max_position_embeddings": tc.max_position_embeddings,
+        "initializer_range": initializer_range,
+        "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention" if sliding_window else "full_attention"] * num_layers,
+        "use_sliding_window": bool(sliding_window),
+        "sliding_window": sliding_window,
+        "block_size": block_size,
+        "num_target_layers": tc.num_layers,
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": list(ids)},
+    }
+    if is_causal is not None:
+        cfg["is_causal"] = bool(is_causal)
+    if kind == "dspine":
+        rank = transfer_rank or min(1024, h, v - 1)
+        cfg["is_causal"] = True
+        cfg["dspine_config"] = {
+            **DSPINE_DEFAULTS,
+            "transfer_rank": rank,
+            "message_size": message_size or max(1, min(512, rank // 2)),
+            "top_k": top_k,
+        }
+    try:
+        config = drafter_config_from_dict(cfg)
+    except DrafterConfigError as e:
+        raise ValueError(str(e)) from e
+    check_compatible(config, target)
+    dtype = _resolve_dtype(dtype, target)
+
+    c = config
+    nd, kd, f, L = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size, c.num_layers
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 8 * L + 8))
+
+    def normal(shape: tuple[int, ...]) -> jax.Array:  # [in, out] layout directly
+        return (initializer_range * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    def ones(shape: tuple[int, ...]) -> jax.Array:
+        return jnp.ones(shape, dtype)
+
+    layers = tuple(
+        DrafterLayer(
+            input_norm=ones((h,)),
+            q=normal((h, nd)),
+            k=normal((h, kd)),
+            v=normal((h, kd)),
+            o=normal((nd, h)),
+            q_norm=ones((c.head_dim,)),
+            k_norm=ones((c.head_dim,)),
+            post_norm=ones((h,)),
+            gate=normal((h, f)),
+            up=normal((h, f)),
+            down=normal((f, h)),
+        )
+        for _ in range(L)
+    )
+    fc = normal((c.num_taps * h, h))
+    injection = codes = None
+    if c.is_dspine:
+        r, m = c.transfer_rank, c.message_size
+        codes, directions = transfer_codes_from_head(target.params.lm_head, r)
+
+        def torch_default(shape: tuple[int, ...]) -> jax.Array:  # kaiming_uniform(a=√5) = U(±1/√fan_in)
+            bound = 1.0 / np.sqrt(shape[0])
+            return jax.random.uniform(next(keys), shape, jnp.float32, -bound, bound).astype(dtype)
+
+        injection = Injection(
+            readouts=tuple(directions.astype(dtype) for _ in range(L)),
+            writes=tuple(jnp.zeros((m, h), dtype) for _ in range(L)),
+            message=torch_default((r, m)),
+            receiver_gate=torch_default((r, m)),
+            predecessor_gate=jnp.zeros((r, m), dtype),
+            bias=jnp.zeros((m,), dtype),
+        )
+        codes = codes.astype(dtype)
+    params = DrafterParams(
+        fc=fc, hidden_norm=ones((h,)), layers=layers, norm=ones((h,)), injection=injection, transfer_codes=codes
+    )
+    return Drafter(params=params, config=config)

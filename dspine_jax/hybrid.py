@@ -1,0 +1,260 @@
+"""Hybrid targets (Qwen3.5 text model, dense Qwen3-Next): params, block forward, recurrent-state replay.
+
+Layer stack (HF ``Qwen3_5DecoderLayer``): zero-centred RMSNorm → mixer → residual, zero-centred
+RMSNorm → SwiGLU → residual; the mixer is a Gated DeltaNet (``gdn.py``) or gated full attention
+(q_proj emits q and a per-head gate, q/k zero-centred RMSNorm, partial RoPE, output × σ(gate)).
+
+Params are a tuple of per-layer pytrees and the layer loop is unrolled, like the dense target
+(``target.py``): a ``lax.scan`` over stacked weights makes XLA:CPU copy each layer's weight slice,
+doubling a decode step's memory traffic. The sequential parts that matter — the GDN recurrence over
+chunks or tokens — are ``lax.scan``s (``gdn.py``).
+
+Public API (used through ``target.py``, which dispatches on the config type):
+
+* ``forward(params, config, cache, tokens, taps, return_replay)`` — same contract as the dense
+  forward: K/V of the block written into the attention layers' cache, GDN conv windows and states
+  advanced past all ``T`` tokens, ``lengths`` not moved. With ``return_replay=True`` it also returns
+  one ``GdnReplay`` record per GDN layer (a tuple).
+* ``replay(cache, saved, num_tokens)`` — the cache as if only the first ``num_tokens [B]`` block
+  tokens had been fed and committed: GDN windows/states rebuilt from the saved pre-block state and
+  per-token inputs (one fixed-length masked pass, no recompilation per length), ``lengths`` advanced.
+  The block's K/V stay where the forward wrote them; slots beyond the new lengths are invisible.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import Array
+
+from dspine_jax import gdn
+from dspine_jax.cache import HybridCache
+from dspine_jax.config import HybridConfig
+from dspine_jax.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
+from dspine_jax.weights import check_consumed, strip_prefix, take
+
+FULL = "full_attention"
+LINEAR = "linear_attention"
+
+
+@struct.dataclass
+class GatedAttentionParams:
+    q: Array  # [H, N*2D]: per head [q (D) | gate (D)], HF q_proj layout
+    k: Array  # [H, K*D]
+    v: Array  # [H, K*D]
+    o: Array  # [N*D, H]
+    q_norm: Array  # [D] zero-centred
+    k_norm: Array  # [D] zero-centred
+
+
+@struct.dataclass
+class HybridLayer:
+    input_norm: Array  # [H] zero-centred
+    post_norm: Array  # [H] zero-centred
+    gate: Array  # [H, F]
+    up: Array  # [H, F]
+    down: Array  # [F, H]
+    mixer: GatedAttentionParams | gdn.GdnParams
+
+
+@struct.dataclass
+class HybridParams:
+    embed: Array  # [V, H]
+    layers: tuple[HybridLayer, ...]  # one per layer, in order
+    final_norm: Array  # [H] zero-centred
+    lm_head: Array  # [H, V]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _layer_tensors(tensors: dict[str, np.ndarray], config: HybridConfig, i: int) -> HybridLayer:
+    """Take layer ``i``'s HF tensors (torch layout) → a HybridLayer of ``[in, out]`` numpy arrays."""
+    h, f = config.hidden_size, config.intermediate_size
+    pre = f"model.layers.{i}."
+    mlp = dict(
+        input_norm=take(tensors, pre + "input_layernorm.weight", (h,)),
+        post_norm=take(tensors, pre + "post_attention_layernorm.weight", (h,)),
+        gate=take(tensors, pre + "mlp.gate_proj.weight", (f, h)).T,
+        up=take(tensors, pre + "mlp.up_proj.weight", (f, h)).T,
+        down=take(tensors, pre + "mlp.down_proj.weight", (h, f)).T,
+    )
+    if config.layer_kinds[i] == FULL:
+        n, kh, d = config.num_heads, config.num_kv_heads, config.head_dim
+        at = pre + "self_attn."
+        mixer = GatedAttentionParams(
+            q=take(tensors, at + "q_proj.weight", (n * 2 * d, h)).T,
+            k=take(tensors, at + "k_proj.weight", (kh * d, h)).T,
+            v=take(tensors, at + "v_proj.weight", (kh * d, h)).T,
+            o=take(tensors, at + "o_proj.weight", (h, n * d)).T,
+            q_norm=take(tensors, at + "q_norm.weight", (d,)),
+            k_norm=take(tensors, at + "k_norm.weight", (d,)),
+        )
+        return HybridLayer(**mlp, mixer=mixer)
+
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    conv_dim, kc = config.gdn_conv_dim, config.linear_conv_kernel
+    la = pre + "linear_attn."
+    if config.gdn_projection_layout == "fused":
+        # qwen3_next: rows grouped per key head as [q (Dk) | k (Dk) | v (r·Dv) | z (r·Dv)], and
+        # in_proj_ba as [b (r) | a (r)] per key head (HF fix_query_key_value_ordering).
+        r = nv // nk
+        qkvz = take(tensors, la + "in_proj_qkvz.weight", (2 * nk * dk + 2 * nv * dv, h))
+        qkvz = qkvz.reshape(nk, 2 * dk + 2 * r * dv, h)
+        wq, wk = qkvz[:, :dk], qkvz[:, dk : 2 * dk]
+        wv, wz = qkvz[:, 2 * dk : 2 * dk + r * dv], qkvz[:, 2 * dk + r * dv :]
+        w_qkv = np.concatenate([wq.reshape(-1, h), wk.reshape(-1, h), wv.reshape(-1, h)], axis=0)
+        w_z = wz.reshape(nv * dv, h)
+        ba = take(tensors, la + "in_proj_ba.weight", (2 * nv, h)).reshape(nk, 2 * r, h)
+        w_b, w_a = ba[:, :r].reshape(nv, h), ba[:, r:].reshape(nv, h)
+    else:
+        w_qkv = take(tensors, la + "in_proj_qkv.weight", (conv_dim, h))
+        w_z = take(tensors, la + "in_proj_z.weight", (nv * dv, h))
+        w_b = take(tensors, la + "in_proj_b.weight", (nv, h))
+        w_a = take(tensors, la + "in_proj_a.weight", (nv, h))
+    mixer = gdn.GdnParams(
+        qkv=w_qkv.T,
+        z=w_z.T,
+        b=w_b.T,
+        a=w_a.T,
+        conv=take(tensors, la + "conv1d.weight", (conv_dim, 1, kc))[:, 0, :],
+        dt_bias=take(tensors, la + "dt_bias", (nv,)),
+        a_log=take(tensors, la + "A_log", (nv,)),
+        norm=take(tensors, la + "norm.weight", (dv,)),
+        out=take(tensors, la + "out_proj.weight", (h, nv * dv)).T,
+    )
+    return HybridLayer(**mlp, mixer=mixer)
+
+
+def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: HybridConfig, dtype: jnp.dtype) -> HybridParams:
+    """HF-named tensors of a Qwen3.5 (text or multimodal wrapper) / Qwen3-Next checkpoint → HybridParams.
+
+    The multi-token-prediction head (``mtp.*``) and the vision tower (``model.visual.*``) are dropped;
+    every other tensor must be used exactly once.
+    """
+    tensors = {n: t for n, t in tensors.items() if not n.startswith(("mtp.", "model.visual.", "visual."))}
+    tensors = strip_prefix(tensors, ["model.language_model.", "language_model."])
+    top_level = ("layers.", "embed_tokens.", "norm.")
+    tensors = {("model." + k if k.startswith(top_level) else k): v for k, v in tensors.items()}
+    v, h = config.vocab_size, config.hidden_size
+    embed = take(tensors, "model.embed_tokens.weight", (v, h))
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+        lm_head = embed.T
+    else:
+        lm_head = take(tensors, "lm_head.weight", (v, h)).T
+    per_layer = [_layer_tensors(tensors, config, i) for i in range(config.num_layers)]
+    final_norm = take(tensors, "model.norm.weight", (h,))
+    tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
+    check_consumed(tensors, config.model_type)
+
+    def cast(x: np.ndarray) -> Array:
+        return jnp.asarray(np.asarray(x, dtype=np.float32), dtype=dtype)
+
+    layers = tuple(jax.tree.map(cast, layer) for layer in per_layer)
+    return HybridParams(embed=cast(embed), layers=layers, final_norm=cast(final_norm), lm_head=cast(lm_head))
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+
+
+def _gated_attention(
+    ap: GatedAttentionParams,
+    x: Array,
+    cache_k: Array,
+    cache_v: Array,
+    lengths: Array,
+    cos: Array,
+    sin: Array,
+    config: HybridConfig,
+) -> tuple[Array, Array, Array]:
+    """x ``[B, T, H]`` (normed), cache_k/v ``[B, K, S, D]`` → out ``[B, T, H]`` and the caches with
+    this block's K/V written (same write scheme as the dense target's attention)."""
+    b, t, _ = x.shape
+    n, kh, d, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
+    qg = (x @ ap.q).reshape(b, t, n, 2 * d)  # per head: [q | gate]
+    q, gate = qg[..., :d], qg[..., d:].reshape(b, t, n * d)
+    q = rms_norm(q, ap.q_norm, eps, zero_centered=True)
+    k = rms_norm((x @ ap.k).reshape(b, t, kh, d), ap.k_norm, eps, zero_centered=True)
+    v = (x @ ap.v).reshape(b, t, kh, d)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    positions = lengths[:, None] + jnp.arange(t)  # [B, T]
+    # Row by row with dynamic_update_slice (in place; a scatter makes XLA:CPU transpose the cache).
+    for row in range(b):
+        start = (row, 0, lengths[row], 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k[row : row + 1].transpose(0, 2, 1, 3), start)
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v[row : row + 1].transpose(0, 2, 1, 3), start)
+    visible = jnp.arange(cache_v.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    out = cached_attention(q, cache_k, cache_v, visible).reshape(b, t, n * d) * jax.nn.sigmoid(gate)
+    return out @ ap.o, cache_k, cache_v
+
+
+def forward(
+    params: HybridParams,
+    config: HybridConfig,
+    cache: HybridCache,
+    tokens: Array,
+    taps: tuple[int, ...] = (),
+    return_replay: bool = False,
+) -> tuple[Array, Array, HybridCache, tuple[gdn.GdnReplay, ...] | None]:
+    """Run ``tokens [B, T]`` at positions ``cache.lengths[:, None] + arange(T)``.
+
+    Returns ``hidden [B, T, H]`` (final-normed), ``tapped [len(taps), B, T, H]`` (residual stream after
+    each tapped layer), the cache (K/V of the block written, GDN windows/states after all T tokens,
+    lengths unchanged) and, with ``return_replay``, a tuple with one ``GdnReplay`` per GDN layer
+    (else None).
+    """
+    for layer in taps:
+        if not 0 <= layer < config.num_layers:
+            raise ValueError(f"tap layer {layer} out of range for a {config.num_layers}-layer target")
+    eps = config.rms_norm_eps
+    x = params.embed[tokens]  # [B, T, H]
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
+    cos, sin = rope_cos_sin(positions, config.rotary_dim, config.rope_theta, x.dtype)
+    cache_k, cache_v, conv, state = list(cache.k), list(cache.v), list(cache.conv), list(cache.state)
+    attn_index = {layer: a for a, layer in enumerate(config.attention_layers)}
+    gdn_index = {layer: g for g, layer in enumerate(config.gdn_layers)}
+    residuals, saved = [], []
+    for i, lp in enumerate(params.layers):
+        h = rms_norm(x, lp.input_norm, eps, zero_centered=True)
+        if config.layer_kinds[i] == FULL:
+            a = attn_index[i]
+            out, cache_k[a], cache_v[a] = _gated_attention(
+                lp.mixer, h, cache_k[a], cache_v[a], cache.lengths, cos, sin, config
+            )
+        else:
+            g = gdn_index[i]
+            out, conv[g], state[g], record = gdn.gdn_layer(
+                lp.mixer, h, conv[g], state[g],
+                num_k_heads=config.linear_num_key_heads, eps=eps, return_replay=return_replay,
+            )
+            saved.append(record)
+        x = x + out
+        x = x + swiglu(rms_norm(x, lp.post_norm, eps, zero_centered=True), lp.gate, lp.up, lp.down)
+        residuals.append(x)
+    hidden = rms_norm(x, params.final_norm, eps, zero_centered=True)
+    tapped = jnp.stack([residuals[i] for i in taps]) if taps else jnp.zeros((0, *x.shape), x.dtype)
+    new_cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v), conv=tuple(conv), state=tuple(state))
+    return hidden, tapped, new_cache, (tuple(saved) if return_replay else None)
+
+
+def replay(cache: HybridCache, saved: tuple[gdn.GdnReplay, ...] | None, num_tokens: Array) -> HybridCache:
+    """Keep only the first ``num_tokens [B]`` tokens of the block the forward just ran.
+
+    ``cache`` is the forward's output (the block's K/V are in it), ``saved`` its replay record.
+    Returns the cache with every GDN window/state equal to feeding just those tokens, and ``lengths``
+    advanced by ``num_tokens`` (this replaces ``cache.commit``). Rows may keep different lengths
+    (0 … T); one fixed-shape computation serves all of them.
+    """
+    num_tokens = num_tokens.astype(jnp.int32)
+    if saved is None:
+        return cache.commit(num_tokens)
+    rebuilt = [gdn.replay_layer(record, num_tokens) for record in saved]
+    conv, state = tuple(w for w, _ in rebuilt), tuple(s for _, s in rebuilt)
+    return cache.replace(conv=conv, state=state).commit(num_tokens)

@@ -1,0 +1,90 @@
+"""Reference math shared by the target and the drafter: norms, RoPE, attention, SwiGLU.
+
+Einsum vocabulary (used in every module of the package):
+
+    B batch rows          T query/block tokens     S key slots (cache capacity or context)
+    H model width         N query heads            K key/value heads     G = N / K query heads per kv head
+    D head dim            F MLP width              V vocabulary          L layers
+    C top-K candidates    R transfer rank          M message width
+
+Linear weights are stored ``[in, out]`` (torch checkpoints are ``[out, in]``; weights.py transposes).
+Norm statistics, softmax and RoPE angles are computed in float32 whatever the parameter dtype, the
+way HF transformers does, so bf16 results track HF's bf16 results.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+# Finite "minus infinity": a fully masked row gives a uniform softmax instead of NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def rms_norm(x: Array, weight: Array, eps: float, zero_centered: bool = False) -> Array:
+    """RMSNorm over the last axis. ``zero_centered`` scales by ``1 + w`` (Qwen3.5/Next)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if zero_centered:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_cos_sin(positions: Array, rotary_dim: int, theta: float, dtype: jnp.dtype) -> tuple[Array, Array]:
+    """``positions [B, T]`` → cos, sin ``[B, T, rotary_dim]`` (HF "rotate_half" layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate ``x [B, T, heads, D]``; only the first ``cos.shape[-1]`` dims (partial RoPE)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
+SMALL_BLOCK = 1
+
+
+def attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
+    """Grouped-query attention over keys in ``[B, S, K, D]`` layout (small, freshly computed K/V)."""
+    return cached_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), visible)
+
+
+def cached_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
+    """Grouped-query attention over a cache laid out heads-major.
+
+    q ``[B, T, N, D]``, k/v ``[B, K, S, D]``, visible ``[B, T, S]`` bool → ``[B, T, N, D]``.
+    Heads-major K/V are what both products consume directly: any other layout makes XLA transpose
+    (copy) the whole layer cache at every decode step. Scores and softmax in float32; probabilities
+    are cast back to the value dtype before the PV product.
+    """
+    b, t, n, d = q.shape
+    kv_heads = k.shape[1]
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, d)
+    if t <= SMALL_BLOCK:
+        # Few queries: multiply-and-reduce fusions stream the cache once in its own layout; a dot
+        # would make XLA:CPU copy the layer cache into its preferred layout at every step.
+        qf, kf = qg.astype(jnp.float32).transpose(0, 2, 3, 1, 4), k.astype(jnp.float32)
+        scores = jnp.sum(qf[:, :, :, :, None, :] * kf[:, :, None, None, :, :], axis=-1)
+    else:
+        scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None, :, :], scores * (d**-0.5), MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if t <= SMALL_BLOCK:
+        pv = probs.astype(jnp.float32)[..., None] * v.astype(jnp.float32)[:, :, None, None, :, :]
+        out = jnp.sum(pv, axis=-2).astype(v.dtype).transpose(0, 3, 1, 2, 4)
+    else:
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(b, t, n, d)
+
+
+def swiglu(x: Array, gate: Array, up: Array, down: Array) -> Array:
+    """``down(silu(x @ gate) * (x @ up))``; x ``[B, T, H]``, gate/up ``[H, F]``, down ``[F, H]``."""
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down

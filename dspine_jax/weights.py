@@ -1,0 +1,82 @@
+"""safetensors ↔ flat ``{name: array}`` dicts, with clear errors for broken checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, or does not fit the model it is loaded into."""
+
+
+def _load_one(path: Path) -> dict[str, np.ndarray]:
+    try:
+        # bf16 tensors load as ml_dtypes.bfloat16 numpy arrays, which jax accepts as-is.
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read safetensors file {path}: {e}") from e
+
+
+def load_safetensors_dir(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of ``model.safetensors`` or of a sharded ``model.safetensors.index.json``."""
+    model_dir = Path(model_dir)
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return _load_one(single)
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = model_dir / shard
+            if not shard_path.is_file():
+                raise CheckpointError(f"{index} names shard {shard} which does not exist")
+            tensors.update(_load_one(shard_path))
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise CheckpointError(f"tensors listed in {index} but absent from their shard: {missing[:5]}")
+        return tensors
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def strip_prefix(tensors: Mapping[str, np.ndarray], prefixes: Iterable[str]) -> dict[str, np.ndarray]:
+    """Drop the first matching prefix from every name (e.g. ``model.language_model.``)."""
+    out = {}
+    for name, value in tensors.items():
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        out[name] = value
+    return out
+
+
+def take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Pop ``name`` from ``tensors`` and check its shape; errors name the tensor."""
+    if name not in tensors:
+        raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")
+    value = tensors.pop(name)
+    if tuple(value.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    return value
+
+
+def check_consumed(tensors: Mapping[str, np.ndarray], what: str) -> None:
+    """After every expected tensor was ``take``n, anything left is an error, not silently dropped."""
+    if tensors:
+        names = sorted(tensors)
+        raise CheckpointError(f"unexpected tensors in {what} checkpoint: {names[:8]}{' …' if len(names) > 8 else ''}")
+
+
+def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random HF models saved with ``save_pretrained`` (no hub access)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path
+
+import pytest
+
+TINY_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def make_tiny_hf_model(model_type: str, out_dir: Path, seed: int = 0, **overrides):
+    """Create, save and return (dir, torch model) for a tiny random ``llama``/``qwen3`` config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **{**TINY_COMMON, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    # Random init leaves norms at 1; perturb them so a wrong norm wiring shows in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("weight") and p.dim() == 2:
+                p.mul_(2.0)
+    model.save_pretrained(out_dir)
+    return out_dir, model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict:
+    """Llama (tied, with biases) and Qwen3 (untied, qk-norm) tiny models, built once per session."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_tiny_hf_model("llama", root / "llama", tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+        "qwen3": make_tiny_hf_model("qwen3", root / "qwen3", tie_word_embeddings=False, seed=1),
+    }
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: slow tests (downloads, real weights); CI runs them too")
