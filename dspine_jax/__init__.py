@@ -2,6 +2,7 @@
 
 from dspine_jax.drafter_io import init_drafter, load_drafter, save_drafter
 from dspine_jax.generate import GenerationResult, generate
+from dspine_jax.speculative import SpeculativeResult, speculative_generate
 from dspine_jax.target import Target, load_target
 from dspine_jax.tokenizer import load_tokenizer
 
@@ -14,5 +15,7 @@ __all__ = [
     "load_target",
     "load_tokenizer",
     "save_drafter",
+    "SpeculativeResult",
+    "speculative_generate",
 ]
 __version__ = "0.1.0"

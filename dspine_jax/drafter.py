@@ -63,6 +63,9 @@ from jax import Array
 from dspine_jax.drafter_config import DrafterConfig
 from dspine_jax.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.target import Target, lm_logits
+from kernels.pallas import dispatch
+from kernels.pallas import draft_attention as _attention_kernel
+from kernels.pallas import transition_cache as _transition_kernel
 
 # F.normalize's epsilon: a zero readout stays zero instead of dividing by zero.
 _NORMALIZE_EPS = 1e-12
@@ -298,6 +301,16 @@ def transition_table(drafter: Drafter, target: Target, pre: Array, cand_ids: Arr
     b, _, c = cand_ids.shape
     predecessors = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)), cand_ids[:, :-1]], axis=1)
     receiver_logit = _feature(pre, inj.readouts[last], drafter.config.transfer_rank) @ inj.receiver_gate  # [B, P, M]
+    backend = dispatch.select(_transition_kernel.KERNEL_NAME)
+    if not backend.is_reference:
+        # Fused LWR + scoring: the [B, P, C, H] refined states stay on chip.
+        weights = _transition_kernel.LWRWeights(
+            inj.predecessor_gate, inj.message, inj.bias, inj.writes[last], drafter.params.norm
+        )
+        return _transition_kernel.transition_scores_pallas(
+            pre, receiver_logit, _code(drafter, predecessors), _head_rows(target, cand_ids), weights,
+            drafter.config.rms_norm_eps, backend=backend,
+        )  # fmt: skip
     written = _write(
         inj, last, pre[:, :, None, :], receiver_logit[:, :, None, :], _code(drafter, predecessors)
     )  # [B, P, C, H]
@@ -370,7 +383,16 @@ def _layer(drafter: Drafter, layer: int, x: Array, cache: DraftCache, cos: Array
     q = apply_rope(rms_norm((normed @ lp.q).reshape(b, t, n, d), lp.q_norm, eps), cos, sin)
     k = apply_rope(rms_norm((normed @ lp.k).reshape(b, t, kh, d), lp.k_norm, eps), cos, sin)
     v = (normed @ lp.v).reshape(b, t, kh, d)
-    attn = _block_attention(q, cache.k[layer], cache.v[layer], k, v, _visible(config, layer, cache, t))
+    # Kernel dispatch (kernels/pallas/dispatch.py, chosen at trace time): the reference path is this module's
+    # own jnp code, unchanged; otherwise the Pallas kernel with the same semantics (tiles skipped, not masked).
+    backend = dispatch.select(_attention_kernel.KERNEL_NAME)
+    if backend.is_reference:
+        attn = _block_attention(q, cache.k[layer], cache.v[layer], k, v, _visible(config, layer, cache, t))
+    else:
+        attn = _attention_kernel.draft_attention_pallas(
+            q, cache.k[layer], cache.v[layer], k, v, cache.lengths,
+            window=config.layer_windows[layer], causal=config.layer_causal[layer], backend=backend,
+        )  # fmt: skip
     x = x + attn.reshape(b, t, n * d) @ lp.o
     return x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
 

@@ -179,3 +179,65 @@ def generate(
     token_ids = [out[i, : counts[i]].tolist() for i in range(len(rows))]
     reasons = ["stop" if stopped[i] else "length" if counts[i] >= max_new_tokens else "capacity" for i in range(len(rows))]
     return GenerationResult(token_ids=token_ids, finish_reasons=reasons, prefill_seconds=mid - start, decode_seconds=end - mid)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI: python -m dspine_jax.generate --model M --prompt TEXT [...]
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids for ``text``; with ``chat`` it becomes one user turn in the model's chat template."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--chat needs a tokenizer with a chat template; this model has none")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+    import json
+    import sys
+
+    from dspine_jax.target import load_target
+    from dspine_jax.tokenizer import load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m dspine_jax.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="HF-format model directory or alias (e.g. smollm2-135m-instruct)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
+    args = parser.parse_args(argv)
+
+    try:
+        target = load_target(args.model, dtype=args.dtype)
+        tokenizer = load_tokenizer(args.model)
+        prompt = encode_prompt(tokenizer, args.prompt, args.chat)
+        result = generate(
+            target, [prompt], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")
+    tokens = result.token_ids[0]
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({
+            "text": text, "token_ids": tokens, "num_tokens": len(tokens), "seconds": round(result.seconds, 4),
+            "tokens_per_second": round(result.tokens_per_second, 2), "finish_reason": result.finish_reasons[0],
+        }))
+    else:
+        print(text)
+        print(f"[{len(tokens)} tokens in {result.seconds:.2f}s, {result.tokens_per_second:.1f} tok/s "
+              f"(includes compilation on first use); finish: {result.finish_reasons[0]}]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -167,6 +167,29 @@ def init_cache(target: Target, batch: int, capacity: int) -> KVCache | HybridCac
     return init_kv_cache(target.config, batch, capacity, target.dtype)
 
 
+# Up to this many rows, blocks are written row by row with dynamic_update_slice, which XLA does in
+# place; a scatter along the position axis makes XLA:CPU transpose the whole layer cache. Past it,
+# the unrolled row loop would bloat the program, so large batches use one scatter.
+ROW_LOOP_MAX_BATCH = 16
+
+
+def write_block(cache: Array, block: Array, lengths: Array) -> Array:
+    """Write ``block [B, T, K, D]`` into ``cache [B, K, S, D]`` at positions ``lengths[b] + t``.
+
+    Callers keep ``lengths + T <= S`` for every row whose output matters (dynamic_update_slice clamps
+    the start so the block fits; the scatter path drops out-of-range positions).
+    """
+    b, t = block.shape[:2]
+    block = block.transpose(0, 2, 1, 3).astype(cache.dtype)  # [B, K, T, D]
+    if b <= ROW_LOOP_MAX_BATCH:
+        for row in range(b):
+            cache = jax.lax.dynamic_update_slice(cache, block[row : row + 1], (row, 0, lengths[row], 0))
+        return cache
+    positions = lengths[:, None] + jnp.arange(t)  # [B, T]
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(cache.shape[1])[None, :, None]
+    return cache.at[rows, heads, positions[:, None, :]].set(block, mode="drop")
+
+
 def _attention_layer(
     lp: DenseLayer, x: Array, cache_k: Array, cache_v: Array, lengths: Array, cos: Array, sin: Array,
     config: TargetConfig,
@@ -187,12 +210,8 @@ def _attention_layer(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     positions = lengths[:, None] + jnp.arange(t)  # [B, T]
-    # Write row by row with dynamic_update_slice, which XLA does in place; a scatter over the
-    # position axis makes XLA:CPU transpose the whole cache. Callers keep lengths + T <= capacity
-    # for every row whose output matters (the slice start is clamped to fit).
-    for row in range(b):
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k[row : row + 1].transpose(0, 2, 1, 3), (row, 0, lengths[row], 0))
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v[row : row + 1].transpose(0, 2, 1, 3), (row, 0, lengths[row], 0))
+    cache_k = write_block(cache_k, k, lengths)
+    cache_v = write_block(cache_v, v, lengths)
 
     slots = jnp.arange(cache_v.shape[2])[None, None, :]  # [1, 1, S]
     visible = slots <= positions[:, :, None]  # causal over absolute positions

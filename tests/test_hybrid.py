@@ -227,10 +227,11 @@ def test_parity_bf16(hybrid_models):
     f32_block, _ = _hf_logits(model, block, hf_cache)
 
     cache = tgt.init_cache(target, 2, 64)
-    assert cache.state.dtype == jnp.float32 and cache.k.dtype == jnp.bfloat16
+    assert cache.state[0].dtype == jnp.float32 and cache.conv[0].dtype == jnp.float32
+    assert cache.k[0].dtype == jnp.bfloat16
     hidden, _, cache = fwd(target, cache, jnp.asarray(prompt))
     cache = cache.commit(jnp.full((2,), 20))
-    assert cache.state.dtype == jnp.float32
+    assert cache.state[0].dtype == jnp.float32
     ours_prefill = np.asarray(logits_fn(target, hidden))
     hidden, _, cache = fwd(target, cache, jnp.asarray(block))
     ours_block = np.asarray(logits_fn(target, hidden))

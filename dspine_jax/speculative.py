@@ -1,0 +1,504 @@
+"""Speculative decoding: one round (draft → verify → accept → commit → stop) inside one jitted while_loop.
+
+Flow of a round (DESIGN.md §4), for every row of the batch at once, static shapes throughout:
+
+1. **Draft**: the proposer turns the anchor (last generated token, not yet in the target cache) into
+   ``P = T - 1`` proposals (``DraftOutput``: tokens ``[B, P]``, plus the draft distribution over
+   candidates for lossless sampling).
+2. **Verify**: one target forward over ``[anchor, proposals…]`` (``[B, T]``) at positions
+   ``lengths … lengths+T-1``, writing K/V and capturing the proposer's tapped layers.
+3. **Accept**: greedy — the longest prefix where proposal == target argmax, plus the target's token at
+   the first mismatch (the bonus). T > 0 — lossless speculative sampling: proposal i is kept with
+   probability ``min(1, p/q)``; at the first rejection the token is drawn from ``normalise(max(0, p-q))``,
+   after a full accept the bonus is drawn from ``p``. ``p`` is ``sampling_probs`` (temperature, top-k,
+   top-p exactly as plain sampling).
+4. **Commit**: the row keeps ``n_keep`` block tokens (anchor + accepted proposals, cut at a stop id,
+   ``max_new_tokens`` or the capacity): ``target.replay`` (``cache.commit`` for dense targets, GDN
+   recurrent-state replay for hybrids) and the proposer appends those tokens' target features.
+   The last emitted token becomes the next anchor.
+5. **Stop**: rows that hit a stop id, their budget or the capacity stop (mid-block if need be) and keep
+   their output while the others continue.
+
+Proposer seam: the round calls ``proposer.propose`` / ``proposer.commit`` (see ``Proposer``), so tests
+and benchmarks plug in an ``OracleProposer`` (the target's own continuation with mismatches at chosen
+slots) instead of a drafter.
+
+Capacity: the target cache gets ``T`` slack slots past the planned capacity (which is the AR
+baseline's), so a verify block never writes past the buffer while row budgets stay exactly those of
+``generate`` (at most ``capacity - prompt + 1`` tokens per row). Greedy speculative output therefore
+equals greedy ``generate`` output token for token, model position limit included.
+
+Letters as in layers.py: B batch, T verify block (anchor + P proposals), V vocab, C candidates, H width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import Array
+
+from dspine_jax import target as tgt
+from dspine_jax.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache
+from dspine_jax.generate import GenerationResult, _round_up, pad_prompts, plan_capacity, validate_prompts
+from dspine_jax.sampling import sample, sampling_probs, validate_sampling
+
+TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
+STOP_BUCKET = 8  # stop ids are padded with -1 to a multiple of this, so their count does not recompile
+
+
+# ----------------------------------------------------------------------------------------------
+# Proposers
+
+
+class Proposer(Protocol):
+    """What the round needs from a drafting step. Implementations are pytrees (``flax.struct``) so they
+    ride into ``jax.jit`` as arguments; their static fields are part of the compiled program's key.
+
+    ``state`` is the proposer's own per-row cache (a pytree, donated to the loop). Invariant, as for
+    the drafter: the anchor sits at position ``target_cache.lengths``; ``commit`` receives the target
+    features of exactly the tokens committed to the target cache this round.
+    """
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose residual stream the proposer wants (``forward(..., taps)``)."""
+        ...
+
+    def init(self, target: tgt.Target, batch: int, capacity: int) -> Any: ...
+
+    def prefill(self, target: tgt.Target, state: Any, tapped: Array, lengths: Array) -> Any:
+        """After the prompt: ``tapped [n, B, Tp, H]``, ``lengths [B]`` prompt tokens per row."""
+        ...
+
+    def propose(
+        self, target: tgt.Target, state: Any, anchor: Array, counts: Array, key: Array, temperature: Array, num: int
+    ) -> DraftOutput:
+        """``anchor [B]``, ``counts [B]`` tokens generated so far (the anchor is the last of them) →
+        ``num`` proposals per row with their draft distribution (ignored at temperature 0)."""
+        ...
+
+    def commit(self, target: tgt.Target, state: Any, tapped: Array, num_new: Array) -> Any:
+        """The first ``num_new [B]`` block tokens (anchor first) were committed; ``tapped [n, B, T, H]``."""
+        ...
+
+
+@struct.dataclass
+class DrafterProposer:
+    """A DFlash / DSpine drafter as a proposer (state: its ``DraftCache``)."""
+
+    drafter: Drafter
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.drafter.config.target_layer_ids
+
+    def init(self, target: tgt.Target, batch: int, capacity: int):
+        return init_draft_cache(self.drafter, batch, capacity)
+
+    def prefill(self, target: tgt.Target, state, tapped: Array, lengths: Array):
+        return append_context(self.drafter, state, tapped, lengths)
+
+    def propose(
+        self, target: tgt.Target, state, anchor: Array, counts: Array, key: Array, temperature: Array, num: int
+    ) -> DraftOutput:
+        drafter = self.drafter
+        # A causal drafter's first `num` slots do not depend on later ones: draft a shorter block
+        # (cheaper). A bidirectional one was trained on its full block: draft it all, verify a prefix.
+        if num + 1 < drafter.config.block_size and all(drafter.config.layer_causal):
+            drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
+        out = draft(drafter, target, state, anchor, key, temperature)
+        return DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
+
+    def commit(self, target: tgt.Target, state, tapped: Array, num_new: Array):
+        return append_context(self.drafter, state, tapped, num_new)
+
+
+@struct.dataclass
+class OracleProposer:
+    """Proposes the target's own continuation, wrong on purpose at chosen slots (tests, ceilings).
+
+    ``reference [B, N]``: row b's expected generated tokens (``reference[b, 0]`` is the prefill's token).
+    ``accept [B, R]``: in round r row b proposes ``accept[b, r % R]`` correct tokens, then a wrong one
+    (values ≥ P mean all P correct). So with greedy decoding a round commits ``accept + 1`` tokens
+    (capped at P + 1) for as long as the output follows the reference. State: the round index.
+    """
+
+    reference: Array  # [B, N] int32
+    accept: Array  # [B, R] int32
+    vocab_size: int = struct.field(pytree_node=False)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return ()
+
+    def init(self, target: tgt.Target, batch: int, capacity: int) -> Array:
+        return jnp.zeros((), jnp.int32)
+
+    def prefill(self, target: tgt.Target, state: Array, tapped: Array, lengths: Array) -> Array:
+        return state
+
+    def propose(
+        self, target: tgt.Target, state: Array, anchor: Array, counts: Array, key: Array, temperature: Array, num: int
+    ) -> DraftOutput:
+        slots = jnp.arange(num)[None, :]  # [1, P]
+        index = jnp.clip(counts[:, None] + slots, 0, self.reference.shape[1] - 1)  # [B, P]
+        tokens = jnp.take_along_axis(self.reference, index, axis=1)
+        good = self.accept[:, state % self.accept.shape[1]]  # [B]
+        tokens = jnp.where(slots == good[:, None], (tokens + 1) % self.vocab_size, tokens).astype(jnp.int32)
+        ones = jnp.ones((*tokens.shape, 1), jnp.float32)
+        return DraftOutput(tokens=tokens, cand_ids=tokens[..., None], q=ones)  # q: one-hot on the proposal
+
+    def commit(self, target: tgt.Target, state: Array, tapped: Array, num_new: Array) -> Array:
+        return state + 1
+
+
+def load_draft(spec: str | os.PathLike, target: tgt.Target, dtype: str | None = None) -> Drafter:
+    """A ``--draft`` CLI value → Drafter: a checkpoint directory (``load_drafter``), or ``init:dspine`` /
+    ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
+    seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists."""
+    from dspine_jax.drafter_io import init_drafter, load_drafter
+
+    text = os.fspath(spec)
+    if text.startswith("init:"):
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or parts[1] not in ("dspine", "dflash"):
+            raise ValueError(f"--draft {text!r}: expected init:dspine, init:dflash or init:KIND:BLOCK")
+        block = int(parts[2]) if len(parts) == 3 else 16
+        return init_drafter(target, parts[1], block_size=block, dtype=dtype)
+    return load_drafter(text, target, dtype=dtype)
+
+
+def as_proposer(drafter: Drafter | Proposer) -> Proposer:
+    if isinstance(drafter, Drafter):
+        return DrafterProposer(drafter)
+    if all(hasattr(drafter, name) for name in ("taps", "init", "prefill", "propose", "commit")):
+        return drafter
+    raise TypeError(f"expected a Drafter or a Proposer, got {type(drafter).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Acceptance
+
+
+def accept_greedy(logits: Array, proposals: Array) -> tuple[Array, Array]:
+    """logits ``[B, T, V]`` of the verify block, proposals ``[B, P]`` → emitted ``[B, T]``, accepted ``[B]``.
+
+    Row b's round output is ``emitted[b, :accepted+1]``: the accepted proposals equal the target's argmax
+    at their slots, and slot ``accepted`` holds the target's own token (the bonus), so the target's argmax
+    over the block is the output.
+    """
+    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    match = proposals == choice[:, :-1]
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)  # [B] in 0…P
+    return choice, accepted
+
+
+def accept_sampling(
+    key: Array, logits: Array, proposal: DraftOutput, temperature: Array, top_p: Array, top_k: int
+) -> tuple[Array, Array]:
+    """Lossless speculative sampling. logits ``[B, T, V]``, proposal tokens/cand_ids/q ``[B, P(, C)]``
+    → emitted ``[B, T]`` (valid up to ``accepted``), accepted ``[B]``.
+
+    Each kept token (and the final one) is distributed exactly as plain sampling from ``sampling_probs``.
+    """
+    tokens, cand_ids, q = proposal.tokens, proposal.cand_ids, proposal.q
+    b, t, _ = logits.shape
+    p_num = t - 1
+    key_accept, key_final = jax.random.split(key)
+    p = sampling_probs(logits, temperature, top_p, top_k)  # [B, T, V]
+    p_x = jnp.take_along_axis(p[:, :-1], tokens[..., None], axis=-1)[..., 0]  # [B, P]
+    q_x = jnp.sum(jnp.where(cand_ids == tokens[..., None], q, 0.0), axis=-1)  # [B, P]
+    # Keep with probability min(1, p/q): u·q < p with u ~ U[0, 1) (never keeps a token with p = 0).
+    u = jax.random.uniform(key_accept, (b, p_num), jnp.float32)
+    ok = u * q_x < p_x
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
+
+    rows = jnp.arange(b)
+    p_stop = p[rows, accepted]  # [B, V]: the target distribution at the first rejected slot (or the bonus)
+    slot = jnp.minimum(accepted, p_num - 1)
+    q_stop = jnp.zeros_like(p_stop).at[rows[:, None], cand_ids[rows, slot]].add(q[rows, slot])  # [B, V]
+    residual = jnp.maximum(p_stop - q_stop, 0.0)
+    # After a full accept: the bonus from p. A rejection implies the residual has mass; the guard only
+    # catches rounding to an all-zero residual.
+    use_p = (accepted == p_num) | (jnp.sum(residual, axis=-1) <= 0.0)
+    final_dist = jnp.where(use_p[:, None], p_stop, residual)
+    final = jax.random.categorical(key_final, jnp.log(final_dist), axis=-1).astype(jnp.int32)  # [B]
+    emitted = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(t)[None, :] == accepted[:, None], final[:, None], emitted)
+    return emitted, accepted
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill and the loop (pure functions; jitted below)
+
+
+def prefill_impl(
+    target: tgt.Target, proposer: Proposer, tokens: Array, lengths: Array, key: Array, temperature: Array,
+    top_p: Array, *, capacity: int, top_k: int, greedy: bool,
+):
+    """Prompts ``tokens [B, Tp]`` (right-padded to ``lengths``) → target cache, proposer state, first token ``[B]``."""
+    batch = tokens.shape[0]
+    cache = tgt.init_cache(target, batch, capacity)
+    state = proposer.init(target, batch, capacity)
+    hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, proposer.taps, return_replay=True)
+    # replay = commit for dense targets; for hybrids it keeps pad tokens out of the GDN state.
+    cache = tgt.replay(cache, saved, lengths)
+    state = proposer.prefill(target, state, tapped, lengths)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
+    first = sample(key, tgt.lm_logits(target, last), temperature, top_p, top_k, greedy)
+    return cache, state, first
+
+
+def loop_impl(
+    target: tgt.Target, proposer: Proposer, cache, state, first: Array, key: Array, temperature: Array,
+    top_p: Array, stop_ids: Array, max_new_tokens: Array, *, out_width: int, verify_len: int, top_k: int,
+    greedy: bool,
+):
+    """Speculative rounds until every row stops.
+
+    ``cache`` must have ``verify_len`` slack slots past the planned capacity (``speculative_generate``
+    allocates them). Returns tokens ``[B, out_width + T]`` (row b's first ``counts[b]`` are valid),
+    counts ``[B]``, stopped ``[B]`` (ended on a stop id), kept ``[B, out_width]`` (tokens each verify
+    step added to the row's output), accepted ``[B, out_width]`` (proposals the step accepted, before
+    stop/budget cuts), rounds ``[B]`` (verify steps per row), loop iterations, and the final caches.
+    """
+    t, p_num = verify_len, verify_len - 1
+    batch = first.shape[0]
+    capacity = cache.capacity - t  # planned capacity; the T slots beyond it are verify slack
+    out = jnp.zeros((batch, out_width + t), jnp.int32).at[:, 0].set(first)
+    counts = jnp.ones((batch,), jnp.int32)
+    stopped = jnp.isin(first, stop_ids)
+    # Same budget as generate: one token per free planned slot + the last one, never fed back.
+    budget = jnp.minimum(max_new_tokens, capacity - cache.lengths + 1)  # [B]
+    kept = jnp.zeros((batch, out_width), jnp.int32)
+    accepted_hist = jnp.zeros((batch, out_width), jnp.int32)
+    rounds = jnp.zeros((batch,), jnp.int32)
+    draft_temperature = jnp.float32(0.0) if greedy else temperature  # the drafter reads <= 0 as greedy
+    rows = jnp.arange(batch)
+    slots = jnp.arange(t)[None, :]  # [1, T]
+
+    def active(counts: Array, stopped: Array) -> Array:
+        return ~stopped & (counts < budget)
+
+    def cond(carry) -> Array:
+        return jnp.any(active(carry["counts"], carry["stopped"]))
+
+    def body(carry):
+        key, key_draft, key_accept = jax.random.split(carry["key"], 3)
+        counts, stopped, out = carry["counts"], carry["stopped"], carry["out"]
+        running = active(counts, stopped)  # [B]
+        anchor = jnp.take_along_axis(out, (counts - 1)[:, None], axis=1)[:, 0]  # [B]
+
+        # 1. draft
+        proposal = proposer.propose(target, carry["state"], anchor, counts, key_draft, draft_temperature, p_num)
+        block = jnp.concatenate([anchor[:, None], proposal.tokens.astype(jnp.int32)], axis=1)  # [B, T]
+        # 2. verify
+        hidden, tapped, cache, saved = tgt.forward(target, carry["cache"], block, proposer.taps, return_replay=True)
+        logits = tgt.lm_logits(target, hidden)  # [B, T, V] f32
+        # 3. accept
+        if greedy:
+            emitted, accepted = accept_greedy(logits, proposal.tokens)
+        else:
+            emitted, accepted = accept_sampling(key_accept, logits, proposal, temperature, top_p, top_k)
+        # 5. stop (decided before committing, since it shortens the commit): first stop id, budget
+        is_stop = jnp.isin(emitted, stop_ids) & (slots <= accepted[:, None])  # [B, T]
+        until_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, t)
+        n_keep = jnp.minimum(jnp.minimum(accepted + 1, until_stop), budget - counts)
+        n_keep = jnp.where(running, n_keep, 0)  # [B] tokens added to the output, 0…T
+        stopped = stopped | jnp.any(is_stop & (slots < n_keep[:, None]), axis=1)
+        columns = jnp.where(slots < n_keep[:, None], counts[:, None] + slots, out.shape[1])  # out of range → dropped
+        out = out.at[rows[:, None], columns].set(emitted, mode="drop")
+        # 4. commit: the anchor and the kept proposals (the last kept token is the next anchor)
+        cache = tgt.replay(cache, saved, n_keep)
+        state = proposer.commit(target, carry["state"], tapped, n_keep)
+        record = jnp.where(running, carry["rounds"], out_width)  # out of range → dropped
+        return dict(
+            cache=cache, state=state, key=key, out=out, counts=counts + n_keep, stopped=stopped,
+            kept=carry["kept"].at[rows, record].set(n_keep, mode="drop"),
+            accepted=carry["accepted"].at[rows, record].set(accepted, mode="drop"),
+            rounds=carry["rounds"] + running, iterations=carry["iterations"] + 1,
+        )
+
+    carry = dict(
+        cache=cache, state=state, key=key, out=out, counts=counts, stopped=stopped, kept=kept,
+        accepted=accepted_hist, rounds=rounds, iterations=jnp.zeros((), jnp.int32),
+    )
+    carry = jax.lax.while_loop(cond, body, carry)
+    return (
+        carry["out"], carry["counts"], carry["stopped"], carry["kept"], carry["accepted"], carry["rounds"],
+        carry["iterations"], carry["cache"], carry["state"],
+    )
+
+
+def generate_impl(
+    target: tgt.Target, proposer: Proposer, tokens: Array, lengths: Array, key: Array, temperature: Array,
+    top_p: Array, stop_ids: Array, max_new_tokens: Array, *, capacity: int, out_width: int, verify_len: int,
+    top_k: int, greedy: bool,
+):
+    """Prefill + loop as one pure function (``jax.vmap``-able: the statistical tests draw many samples
+    with it). ``capacity`` is the physical cache size (planned + ``verify_len``)."""
+    key_prefill, key_loop = jax.random.split(key)
+    cache, state, first = prefill_impl(
+        target, proposer, tokens, lengths, key_prefill, temperature, top_p, capacity=capacity, top_k=top_k,
+        greedy=greedy,
+    )
+    return loop_impl(
+        target, proposer, cache, state, first, key_loop, temperature, top_p, stop_ids, max_new_tokens,
+        out_width=out_width, verify_len=verify_len, top_k=top_k, greedy=greedy,
+    )
+
+
+prefill = jax.jit(prefill_impl, static_argnames=("capacity", "top_k", "greedy"))
+speculative_loop = jax.jit(
+    loop_impl, static_argnames=("out_width", "verify_len", "top_k", "greedy"), donate_argnames=("cache", "state")
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Verify-length table (dynamic verification; written by ``python -m dspine_jax.tune``)
+
+
+def load_sps_table(table: Mapping[str, Any] | str | os.PathLike) -> dict[int, int]:
+    """An sps table (dict or JSON path) → ``{batch_size: verify_length}``.
+
+    Accepted forms: the tune CLI's output (``{"verify_length": {"1": 8, "4": 6}, ...}``) or a bare
+    ``{"1": 8, "4": 6}`` mapping.
+    """
+    if isinstance(table, (str, os.PathLike)):
+        with open(table) as f:
+            table = json.load(f)
+    entries = table.get("verify_length", table) if isinstance(table, Mapping) else None
+    if not isinstance(entries, Mapping) or not entries:
+        raise ValueError("sps table must map batch sizes to verify lengths, e.g. {'verify_length': {'1': 8}}")
+    out = {}
+    for batch, length in entries.items():
+        batch, length = int(batch), int(length)
+        if batch < 1 or length < 2:
+            raise ValueError(f"sps table entry {batch}: {length} is invalid (batch >= 1, verify length >= 2)")
+        out[batch] = length
+    return out
+
+
+def verify_length_for_batch(table: Mapping[int, int], batch: int) -> int:
+    """The entry for the largest tabulated batch size ≤ ``batch`` (the smallest entry if none is)."""
+    sizes = sorted(table)
+    below = [s for s in sizes if s <= batch]
+    return table[below[-1] if below else sizes[0]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+@dataclasses.dataclass
+class SpeculativeResult(GenerationResult):
+    # Per row, one entry per verify step: tokens it added to the output, the bonus included (the last
+    # step's count is cut at a stop id / max_new_tokens). The first token comes from prefill, so
+    # sum(acceptance_lengths[b]) == len(token_ids[b]) - 1.
+    acceptance_lengths: list[list[int]]
+    # Per row, per verify step: proposals accepted by verification, before stop / budget cuts (tune.py).
+    accepted_proposals: list[list[int]]
+    verify_length: int  # T: tokens per verify forward (anchor + T-1 proposals)
+    num_iterations: int  # while_loop iterations (= verify steps of the longest-running row)
+
+    @property
+    def mean_acceptance(self) -> float:
+        """τ: output tokens per verify step over all rows and steps (bonus included)."""
+        steps = sum(len(row) for row in self.acceptance_lengths)
+        return sum(map(sum, self.acceptance_lengths)) / steps if steps else float("nan")
+
+
+def resolve_verify_length(proposer: Proposer, batch: int, block_size: int | None, sps_table) -> int:
+    """``block_size`` if given, else the sps table's entry for ``batch``, else the drafter's block size;
+    capped at the drafter's block size."""
+    limit = proposer.drafter.config.block_size if isinstance(proposer, DrafterProposer) else None
+    if block_size is not None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+            raise ValueError(f"block_size must be an integer >= 2 (anchor + proposals), got {block_size!r}")
+        if limit is not None and block_size > limit:
+            raise ValueError(f"block_size {block_size} exceeds the drafter's block size {limit}")
+        return block_size
+    if sps_table is not None:
+        length = verify_length_for_batch(load_sps_table(sps_table), batch)
+        return min(length, limit) if limit is not None else length
+    if limit is None:
+        raise ValueError("block_size is required for a proposer that is not a Drafter")
+    return limit
+
+
+def speculative_generate(
+    target: tgt.Target,
+    drafter: Drafter | Proposer,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    block_size: int | None = None,
+    sps_table: Mapping[str, Any] | str | os.PathLike | None = None,
+) -> SpeculativeResult:
+    """Decode up to ``max_new_tokens`` per row speculatively; same conventions as ``generate``.
+
+    ``drafter``: a ``Drafter`` or any ``Proposer``. ``block_size``: tokens per verify step (anchor +
+    proposals, ≤ the drafter's block); default from ``sps_table`` (dict or JSON path from
+    ``python -m dspine_jax.tune``) by batch size, else the drafter's block size. ``stop_ids=None`` uses
+    the model's EOS ids, ``[]`` none. Greedy (temperature 0) output equals ``generate``'s.
+    """
+    validate_sampling(temperature, top_p, top_k)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    config = target.config
+    proposer = as_proposer(drafter)
+    if isinstance(proposer, DrafterProposer):
+        from dspine_jax.drafter_io import check_compatible
+
+        check_compatible(proposer.drafter.config, target)
+    rows = validate_prompts(prompt_ids, config.vocab_size)
+    verify_len = resolve_verify_length(proposer, len(rows), block_size, sps_table)
+    capacity = plan_capacity([len(r) for r in rows], max_new_tokens, config.max_position_embeddings)
+    tokens, lengths = pad_prompts(rows, config.pad_token_id or 0)
+    stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
+    stops += [-1] * (_round_up(max(len(stops), 1), STOP_BUCKET) - len(stops))
+    greedy = temperature == 0
+    key_prefill, key_loop = jax.random.split(jax.random.key(seed))
+    temp, top_p_arr = jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p)
+
+    start = time.perf_counter()
+    cache, state, first = prefill(
+        target, proposer, tokens, lengths, key_prefill, temp, top_p_arr,
+        capacity=capacity + verify_len, top_k=top_k, greedy=greedy,
+    )
+    first.block_until_ready()
+    mid = time.perf_counter()
+    out, counts, stopped, kept, accepted, rounds, iterations, _, _ = speculative_loop(
+        target, proposer, cache, state, first, key_loop, temp, top_p_arr, jnp.asarray(stops, jnp.int32),
+        jnp.int32(max_new_tokens), out_width=_round_up(max_new_tokens, TOKEN_BUCKET), verify_len=verify_len,
+        top_k=top_k, greedy=greedy,
+    )
+    out, counts, stopped, kept, accepted, rounds, iterations = jax.device_get(
+        (out, counts, stopped, kept, accepted, rounds, iterations)
+    )
+    end = time.perf_counter()
+
+    n = len(rows)
+    reasons = ["stop" if stopped[i] else "length" if counts[i] >= max_new_tokens else "capacity" for i in range(n)]
+    return SpeculativeResult(
+        token_ids=[out[i, : counts[i]].tolist() for i in range(n)],
+        finish_reasons=reasons,
+        prefill_seconds=mid - start,
+        decode_seconds=end - mid,
+        acceptance_lengths=[kept[i, : rounds[i]].tolist() for i in range(n)],
+        accepted_proposals=[accepted[i, : rounds[i]].tolist() for i in range(n)],
+        verify_length=verify_len,
+        num_iterations=int(iterations),
+    )

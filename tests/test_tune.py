@@ -1,0 +1,38 @@
+"""Dynamic verification CLI: measures, writes an sps table, and speculative_generate uses it."""
+
+from __future__ import annotations
+
+import json
+
+from dspine_jax.drafter_io import init_drafter, save_drafter
+from dspine_jax.speculative import load_sps_table, speculative_generate, verify_length_for_batch
+from dspine_jax.target import load_target
+from dspine_jax.tune import expected_acceptance, main
+
+
+def test_expected_acceptance_truncates_at_the_verify_length():
+    assert expected_acceptance([0, 3, 1, 3], 2) == 1.75  # min(a, 1) + 1
+    assert expected_acceptance([0, 3, 1, 3], 4) == 2.75
+
+
+def test_verify_length_lookup():
+    table = load_sps_table({"verify_length": {"1": 8, "4": 5, "16": 3}})
+    assert [verify_length_for_batch(table, b) for b in (1, 3, 4, 15, 16, 64)] == [8, 8, 5, 5, 3, 3]
+
+
+def test_tune_cli_writes_a_table_speculative_generate_uses(tiny_models, tmp_path):
+    model_dir, _ = tiny_models["qwen3"]
+    target = load_target(model_dir)
+    save_drafter(init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=8), tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"ids": list(range(3, 3 + n))}) for n in (4, 9)) + "\n")
+    out = tmp_path / "sps.json"
+    argv = ["--model", str(model_dir), "--draft", str(tmp_path / "draft"), "--prompts", str(prompts),
+            "--out", str(out), "--batch-sizes", "1", "--verify-lengths", "2,4", "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    table = json.loads(out.read_text())
+    assert table["verify_length"]["1"] in (2, 4)
+    assert set(table["round_seconds"]["1"]) == {"2", "4"} and table["acceptance"]["2"] >= 1.0
+    result = speculative_generate(target, init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=8),
+                                  [[5, 6, 7]], 8, sps_table=out)
+    assert result.verify_length == table["verify_length"]["1"]
