@@ -96,8 +96,8 @@ def prefill(
 ):
     """Prompts ``tokens [B, P]`` (right-padded to ``lengths``) → cache and the first sampled token ``[B]``."""
     cache = tgt.init_cache(target, tokens.shape[0], capacity)
-    hidden, _, cache = tgt.forward(target, cache, tokens)
-    cache = cache.commit(lengths)
+    hidden, _, cache, saved = tgt.forward(target, cache, tokens, return_replay=True)
+    cache = tgt.replay(cache, saved, lengths)  # a commit; on hybrids it also keeps pads out of the GDN state
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
     return cache, sample(key, tgt.lm_logits(target, last), temperature, top_p, top_k, greedy)
 
@@ -195,6 +195,14 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True)
 
 
+def enable_compilation_cache() -> None:
+    """Persist compiled programs across CLI runs (the first run of a shape compiles; later runs reuse)."""
+    from dspine_jax.hub import default_cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax_compilation_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
     import json
@@ -214,25 +222,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
+    parser.add_argument("--draft", help="drafter checkpoint dir (or init:dspine / init:dflash) for speculative decoding")
+    parser.add_argument("--block-size", type=int, help="speculative verify length (anchor included)")
+    parser.add_argument("--sps-table", help="dynamic-verification table from python -m dspine_jax.tune")
     args = parser.parse_args(argv)
+    enable_compilation_cache()
 
     try:
         target = load_target(args.model, dtype=args.dtype)
         tokenizer = load_tokenizer(args.model)
         prompt = encode_prompt(tokenizer, args.prompt, args.chat)
-        result = generate(
-            target, [prompt], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed,
-        )
+        sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        if args.draft:
+            from dspine_jax.speculative import load_draft, speculative_generate
+
+            drafter = load_draft(args.draft, target)
+            result = speculative_generate(target, drafter, [prompt], args.max_new_tokens, **sampling,
+                                          block_size=args.block_size, sps_table=args.sps_table)
+        else:
+            result = generate(target, [prompt], args.max_new_tokens, **sampling)
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"error: {e}\n")
     tokens = result.token_ids[0]
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     if args.json:
-        print(json.dumps({
+        record = {
             "text": text, "token_ids": tokens, "num_tokens": len(tokens), "seconds": round(result.seconds, 4),
             "tokens_per_second": round(result.tokens_per_second, 2), "finish_reason": result.finish_reasons[0],
-        }))
+        }
+        if args.draft:
+            record["acceptance_lengths"] = result.acceptance_lengths[0]
+            record["mean_acceptance"] = round(result.mean_acceptance, 4)
+        print(json.dumps(record))
     else:
         print(text)
         print(f"[{len(tokens)} tokens in {result.seconds:.2f}s, {result.tokens_per_second:.1f} tok/s "

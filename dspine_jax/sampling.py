@@ -30,8 +30,13 @@ def process_logits(logits: Array, temperature: Array | float, top_p: Array | flo
     if top_k and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p
-    # (the token that crosses the threshold is kept, and always at least one token).
+    # top_p is traced: skip the full-vocabulary sort at run time when it is disabled.
+    return jax.lax.cond(jnp.asarray(top_p) < 1.0, _top_p_filter, lambda x, _: x, logits, top_p)
+
+
+def _top_p_filter(logits: Array, top_p: Array | float) -> Array:
+    """Keep the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (the token that
+    crosses the threshold is kept, and always at least one token)."""
     sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
     sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
