@@ -503,7 +503,9 @@ def decode(
     b, p, v = logits.shape
     if config.is_dspine:
         _, cand_ids = jax.lax.top_k(logits, config.top_k)  # [B, P, C], best first
-        cand_ids = cand_ids.astype(jnp.int32)
+        # The barrier stops XLA from folding top_k's index output into the gathers below, which
+        # turns top_k into a full sort of [B, P, V] on CPU (measured: 294 ms → 64 ms per draft).
+        cand_ids = jax.lax.optimization_barrier(cand_ids.astype(jnp.int32))
         table = transition_table(drafter, target, fwd.pre_injection[:, 1:], cand_ids, anchor)
         tokens, q = walk(table, cand_ids, key, temperature)
         return DraftOutput(tokens=tokens, cand_ids=cand_ids, q=q)
