@@ -12,8 +12,9 @@ Three ways to run it, all with static shapes:
 
 * ``gated_delta_recurrent`` — token by token (``lax.scan`` over T); used for single-token steps.
 * ``gated_delta_chunked`` — the chunked (WY / UT-transform) form: intra-chunk work is batched
-  matmuls plus one unit-lower-triangular solve per chunk, and only a ``lax.scan`` over chunks is
-  sequential. Used for prefill and multi-token blocks on top of an existing state.
+  matmuls plus one unit-lower-triangular inverse per chunk (by recursive block doubling: matmuls
+  only), and only a ``lax.scan`` over chunks is sequential. Used for prefill and multi-token blocks
+  on top of an existing state.
 * ``replay_layer`` — the state after only the first ``n[b]`` tokens of a block, from the pre-block
   state and the per-token inputs saved by the block forward. Tokens ≥ n get ``g = 0, β = 0``, which
   makes their update the identity (``e^0 S + k·0``), so it is the chunked form on a fixed-length,
@@ -154,6 +155,36 @@ def gated_delta_recurrent(
     return jnp.moveaxis(o, 0, 1), state
 
 
+def unit_lower_inverse(a: Array) -> Array:
+    """``(I + strictly_lower(a))⁻¹`` for ``a [..., c, c]`` (diagonal and upper part of ``a`` ignored).
+
+    Recursive doubling on diagonal blocks: with the inverses ``A⁻¹``, ``D⁻¹`` of two neighbouring
+    diagonal blocks known, the merged block's inverse is ``[[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]]``. That is
+    log2(c) levels of batched matmuls. It replaces ``lax.linalg.triangular_solve``, whose batched
+    LAPACK kernel on XLA:CPU (jaxlib 0.10) can deadlock the intra-op thread pool when two
+    executions are in flight, and which is slow on accelerators anyway.
+    """
+    c = a.shape[-1]
+    n = 1 << max(c - 1, 0).bit_length()  # next power of two ≥ c
+    lower = jnp.tril(a.astype(jnp.float32), -1)
+    lower = jnp.pad(lower, [(0, 0)] * (a.ndim - 2) + [(0, n - c), (0, n - c)])
+    batch = lower.shape[:-2]
+    blocks = jnp.ones((*batch, n, 1, 1), jnp.float32)  # inverses of the 1×1 diagonal blocks
+    s = 1
+    while s < n:
+        m = n // (2 * s)
+        # Diagonal 2s×2s blocks of the strictly lower matrix → their lower-left s×s corners C.
+        diag = jnp.diagonal(lower.reshape(*batch, m, 2 * s, m, 2 * s), axis1=-4, axis2=-2)  # [..., 2s, 2s, m]
+        corner = jnp.moveaxis(diag, -1, -3)[..., s:, :s]  # [..., m, s, s]
+        inv_a, inv_d = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
+        off = -_einsum("...ij,...jk->...ik", inv_d, _einsum("...ij,...jk->...ik", corner, inv_a))
+        top = jnp.concatenate([inv_a, jnp.zeros_like(inv_a)], axis=-1)
+        bottom = jnp.concatenate([off, inv_d], axis=-1)
+        blocks = jnp.concatenate([top, bottom], axis=-2)  # [..., m, 2s, 2s]
+        s *= 2
+    return blocks[..., 0, :c, :c]
+
+
 def gated_delta_chunked(
     q: Array | None, k: Array, v: Array, g: Array, beta: Array, state: Array, chunk_size: int = DEFAULT_CHUNK
 ) -> tuple[Array | None, Array]:
@@ -181,11 +212,11 @@ def gated_delta_chunked(
     decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [b,c,h,i,j]
     k_beta = kc * bc[..., None]
     v_beta = vc * bc[..., None]
-    # UT transform: (I + strictly_lower(A)) W = rhs, A_ij = β_i k_i·k_j e^{cum_i − cum_j}.
+    # UT transform: W = (I + strictly_lower(A))⁻¹ rhs, A_ij = β_i k_i·k_j e^{cum_i − cum_j}.
     a_mat = _einsum("bchid,bchjd->bchij", k_beta, kc) * decay
-    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    sol = jax.lax.linalg.triangular_solve(a_mat, rhs, left_side=True, lower=True, unit_diagonal=True)
-    new_values, k_cumdecay = sol[..., :dv], sol[..., dv:]  # [b,c,h,i,e], [b,c,h,i,d]
+    inv = unit_lower_inverse(a_mat)  # [b,c,h,i,j]
+    new_values = _einsum("bchij,bchje->bchie", inv, v_beta)
+    k_cumdecay = _einsum("bchij,bchjd->bchid", inv, k_beta * jnp.exp(cum)[..., None])
     k_dec = kc * jnp.exp(cum[..., -1:] - cum)[..., None]  # keys decayed to the chunk end
     chunk_decay = jnp.exp(cum[..., -1])  # [b,c,h]
     if q is not None:
