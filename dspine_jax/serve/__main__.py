@@ -1,0 +1,121 @@
+"""``python -m dspine_jax.serve``: an OpenAI-compatible endpoint that decodes speculatively with a DSpine drafter.
+
+Examples::
+
+    python -m dspine_jax.serve                                   # SmolLM2-135M-Instruct + shipped drafter
+    python -m dspine_jax.serve --no-speculative --port 8001      # plain autoregressive baseline
+    python -m dspine_jax.serve --model /path/qwen3 --draft /path/drafter \\
+        --reasoning-parser qwen3 --tool-call-parser qwen3_coder
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SHIPPED_DRAFTER = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-dspine-b16"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dspine_jax.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF-format model dir or alias (default: %(default)s)")
+    p.add_argument("--draft", default=None,
+                   help="drafter checkpoint dir, or init:dspine / init:dflash[:BLOCK] (default: the shipped "
+                        "SmolLM2 DSpine drafter when serving the default model)")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the --model value's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-running-requests", type=int, default=8, help="engine slots (requests decoded together)")
+    p.add_argument("--max-queued-requests", type=int, default=64, help="waiting requests beyond which 429 is returned")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="tokens per request, prompt + completion (default: min(model positions, 2048))")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=None, help="verify length (anchor + proposals); default: the drafter's block")
+    p.add_argument("--sps-table", default=None, help="verify length per running-batch size (python -m dspine_jax.tune)")
+    p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding (one token per step)")
+    p.add_argument("--reasoning-parser", choices=["qwen3"], default=None)
+    p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None)
+    p.add_argument("--warmup-prompt-buckets", type=int, default=256,
+                   help="compile prefill for prompt buckets up to this length before listening")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.max_running_requests < 1 or args.max_queued_requests < 0:
+        sys.exit("error: --max-running-requests must be >= 1 and --max-queued-requests >= 0")
+
+    def log(msg: str) -> None:
+        print(f"[dspine_jax.serve] {msg}", file=sys.stderr, flush=True)
+
+    import jax
+    import uvicorn
+
+    from dspine_jax.generate import enable_compilation_cache
+    from dspine_jax.serve.engine import EngineCore, SlotParams, prompt_bucket
+    from dspine_jax.serve.server import ServerConfig, build_app
+    from dspine_jax.speculative import load_draft, load_sps_table
+    from dspine_jax.target import load_target
+    from dspine_jax.tokenizer import load_tokenizer
+
+    enable_compilation_cache()
+    t0 = time.perf_counter()
+    log(f"loading {args.model} ({args.dtype}) on {jax.devices()[0].platform}")
+    try:
+        target = load_target(args.model, dtype=args.dtype)
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        sys.exit(f"error: could not load model {args.model!r}: {e}")
+    drafter = None
+    if not args.no_speculative:
+        draft = args.draft
+        if draft is None:
+            if SHIPPED_DRAFTER.is_dir():
+                draft = str(SHIPPED_DRAFTER)
+            else:
+                draft = "init:dspine"
+                log(f"WARNING: no shipped drafter at {SHIPPED_DRAFTER}; using an untrained init:dspine drafter "
+                    "(correct output, but almost no speedup). Pass --draft DIR or --no-speculative.")
+        log(f"loading drafter {draft}")
+        try:
+            drafter = load_draft(draft, target, dtype=args.dtype)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            sys.exit(f"error: could not load drafter {draft!r}: {e}")
+    context = args.context_length or min(target.config.max_position_embeddings, 2048)
+    sps = load_sps_table(args.sps_table) if args.sps_table and drafter is not None else None
+    try:
+        core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
+                          verify_len=args.block_size, sps_table=sps)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}" if drafter else "autoregressive"
+    log(f"engine: {args.max_running_requests} slots × {context} tokens, {mode}")
+    core.warmup(progress=log)
+    width = 32
+    while width <= min(args.warmup_prompt_buckets, context):
+        bucket = prompt_bucket(width, context)
+        log(f"compiling prefill (prompt bucket {bucket})")
+        core.add(0, [target.config.bos_token_id or 1] * min(width, context - 1), 1, SlotParams())
+        core.release(0)
+        width *= 2
+    name = args.served_model_name or (args.model if not os.path.isdir(args.model) else pathlib.Path(args.model).name)
+    app, engine = build_app(core, tokenizer, ServerConfig(
+        model_name=name, context_length=context, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+    ), max_queue=args.max_queued_requests)
+    engine.start()
+    log(f"ready in {time.perf_counter() - t0:.1f}s: serving {name!r} at http://{args.host}:{args.port}/v1 "
+        "(POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    main()

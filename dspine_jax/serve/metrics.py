@@ -1,0 +1,106 @@
+"""Prometheus text exposition (format 0.0.4) for the server, without a client library."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets = sorted(float(b) for b in buckets)
+        self.counts = [0] * len(self.buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+
+
+def _fmt(x: float) -> str:
+    return repr(float(x)) if x != int(x) or abs(x) > 1e15 else f"{int(x)}.0"
+
+
+class Metrics:
+    """Thread-safe counters, gauges and histograms; ``render()`` → Prometheus text."""
+
+    WINDOW_S = 10.0
+
+    def __init__(self, max_acceptance: int = 16):
+        self.lock = threading.Lock()
+        self.requests = collections.Counter()  # (endpoint, status) → count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.steps = 0
+        self.running = 0
+        self.queued = 0
+        self.acceptance = Histogram(range(1, max(max_acceptance, 1) + 1))
+        self.latency = Histogram([0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300])
+        self.ttft = Histogram([0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60])
+        self._window = collections.deque()  # (time, tokens, step seconds)
+
+    def request(self, endpoint: str, status: str) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+    def record_step(self, accepted: list[int], seconds: float) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.steps += 1
+            for a in accepted:
+                self.acceptance.observe(a)
+            self._window.append((now, sum(accepted), seconds))
+            while self._window and self._window[0][0] < now - self.WINDOW_S:
+                self._window.popleft()
+
+    def decode_tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self.lock:
+            while self._window and self._window[0][0] < now - self.WINDOW_S:
+                self._window.popleft()
+            tokens = sum(t for _, t, _ in self._window)
+            busy = sum(s for _, _, s in self._window)
+        return tokens / busy if busy > 0 else 0.0
+
+    def render(self) -> str:
+        rate = self.decode_tokens_per_second()
+        out: list[str] = []
+
+        def metric(name, kind, help_, samples):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(samples)
+
+        def hist(name, help_, h: Histogram):
+            samples = [f'{name}_bucket{{le="{_fmt(b)}"}} {c}' for b, c in zip(h.buckets, h.counts)]
+            samples += [f'{name}_bucket{{le="+Inf"}} {h.count}', f"{name}_sum {_fmt(h.sum)}", f"{name}_count {h.count}"]
+            metric(name, "histogram", help_, samples)
+
+        with self.lock:
+            reqs = [
+                f'dspine_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())
+            ]
+            metric("dspine_requests_total", "counter", "Requests by endpoint and outcome.", reqs)
+            metric("dspine_prompt_tokens_total", "counter", "Prompt tokens prefilled.",
+                   [f"dspine_prompt_tokens_total {self.prompt_tokens}"])
+            metric("dspine_generation_tokens_total", "counter", "Tokens generated.",
+                   [f"dspine_generation_tokens_total {self.generation_tokens}"])
+            metric("dspine_engine_steps_total", "counter", "Engine steps (one verify round for all running slots).",
+                   [f"dspine_engine_steps_total {self.steps}"])
+            hist("dspine_acceptance_length", "Tokens committed per request per verify step (bonus included).",
+                 self.acceptance)
+            hist("dspine_request_latency_seconds", "End-to-end request latency.", self.latency)
+            hist("dspine_time_to_first_token_seconds", "Time from arrival to the first token.", self.ttft)
+            metric("dspine_decode_tokens_per_second", "gauge",
+                   f"Tokens committed per second of engine-step time over the last {self.WINDOW_S:.0f} s.",
+                   [f"dspine_decode_tokens_per_second {_fmt(rate)}"])
+            metric("dspine_running_requests", "gauge", "Requests holding a slot.",
+                   [f"dspine_running_requests {self.running}"])
+            metric("dspine_queued_requests", "gauge", "Requests waiting for a slot.",
+                   [f"dspine_queued_requests {self.queued}"])
+        return "\n".join(out) + "\n"
