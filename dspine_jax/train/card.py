@@ -1,0 +1,139 @@
+"""Ship a trained run: export it (from ``RUN/export`` or from an orbax checkpoint step) into a checkpoint
+directory and write the model card.
+
+``python -m dspine_jax.train.card --run RUN_DIR --dest checkpoints/NAME [--step N] [--results results.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from dspine_jax.train.data import load_sequences
+
+
+def export_step(run: Path, step: int, dest: Path, dtype: str = "bfloat16") -> dict:
+    """Rebuild the run's drafter, restore orbax checkpoint ``step`` and save it to ``dest``."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspine_jax.drafter_io import init_drafter, save_drafter
+    from dspine_jax.target import load_target
+    from dspine_jax.train.loop import TrainConfig, make_optimizer, restore_state, split_params
+
+    args = json.loads((run / "run.json").read_text())
+    target = load_target(args["target"])
+    drafter = init_drafter(
+        target, kind=args["kind"], num_layers=args["layers"], intermediate_size=args["intermediate_size"],
+        transfer_rank=args["transfer_rank"] if args["kind"] == "dspine" else None,
+        message_size=args["message_size"] if args["kind"] == "dspine" else None,
+        block_size=args["block_size"], seed=args["seed"],
+    )  # fmt: skip
+    cfg = TrainConfig(steps=args["steps"], batch_size=args["batch_size"], anchors=args["anchors"], lr=args["lr"], seed=args["seed"])
+    trainable, codes = split_params(drafter)
+    state = {"params": trainable, "opt_state": make_optimizer(cfg).init(trainable)}
+    state, got = restore_state(run, cfg, state, step)
+    drafter = drafter.replace(params=state["params"].replace(transfer_codes=codes))
+    if dtype == "bfloat16":
+        drafter = drafter.replace(params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), drafter.params))
+    save_drafter(drafter, dest)
+    return {"step": got}
+
+
+def write_card(run: Path, dest: Path, results: Path | None = None, data: Path | None = None, step: int | None = None) -> None:
+    args = json.loads((run / "run.json").read_text())
+    stats = json.loads((run / "stats.json").read_text()) if (run / "stats.json").exists() else {}
+    dest.mkdir(parents=True, exist_ok=True)
+    if step is not None:
+        export_step(run, step, dest)
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        at = [m for m in metrics if m["step"] <= step]
+        stats = {"last_step": step, "last_metrics": at[-1] if at else {}, "wall_seconds": 0.0}
+        wall = run / f"wall_at_{step}.json"  # {"wall_seconds": …} recorded when the run was cut at `step`
+        if wall.exists():
+            stats.update(json.loads(wall.read_text()))
+    else:
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy2(run / "export" / name, dest / name)
+    kind = args["kind"]
+    data_dir = Path(data or args["data"])
+    rows = load_sequences(data_dir)
+    per_domain: dict[str, int] = {}
+    for r in rows:
+        per_domain[r["domain"]] = per_domain.get(r["domain"], 0) + 1
+    resp_tokens = sum(len(r["response_ids"]) for r in rows)
+    steps = stats.get("last_step", 0)
+    blocks = steps * args["batch_size"] * args["anchors"]
+    last = stats.get("last_metrics", {})
+    smooth: dict[str, float] = {}
+    if (run / "metrics.jsonl").exists():
+        logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        logged = [m for m in logged if m["step"] <= steps][-5:]
+        if logged:
+            smooth = {k: sum(m[k] for m in logged) / len(logged) for k in ("ce", "acc")}
+    tau_lines = ""
+    if results and Path(results).exists():
+        res = json.loads(Path(results).read_text())
+        for temp in ("T0", "T1"):
+            row = res["tau"].get(f"{kind}@{temp}")
+            if row:
+                tau_lines += f"| {temp.replace('T', 'T=')} | " + " | ".join(f"{row[d]:.2f}" for d in row) + " |\n"
+        if tau_lines:
+            domains = list(res["tau"][f"{kind}@T0"])
+            tau_lines = "| | " + " | ".join(domains) + " |\n|---" * 1 + "|---" * len(domains) + "|\n" + tau_lines
+    size_mb = (dest / "model.safetensors").stat().st_size / 2**20
+    card = f"""# SmolLM2-135M-Instruct {kind.upper()} drafter (block 16) — trained with `dspine_jax.train`
+
+A {'DSpine (adjacent causal injection + last-write refinement)' if kind == 'dspine' else 'DFlash (bidirectional block)'}
+drafter for **SmolLM2-135M-Instruct**, in the {'SpecForge DSpine' if kind == 'dspine' else 'z-lab DFlash'} checkpoint layout
+(`config.json` + `model.safetensors`, bf16, {size_mb:.1f} MiB; `load_drafter` casts to the target's dtype).
+It shares the target's embedding and LM head (not stored here).
+
+**Status: a short CPU run — a pipeline check, not a converged drafter.** See
+`experiments/acceptance/RESULTS.md` for the measured acceptance lengths.
+
+## Architecture
+{args['layers']} Qwen3-style layers, width 576 (the target's), 9 query / 3 KV heads × 64, SwiGLU MLP width
+{args['intermediate_size']} (the target's is 1536; halved for CPU training), taps = 5 target layers
+{json.loads((dest / 'config.json').read_text())['dflash_config']['target_layer_ids']}, block 16 (anchor + 15), mask token = id 2.
+{f"DSpine: transfer rank {args['transfer_rank']}, message width {args['message_size']}, top-K 16." if kind == 'dspine' else ''}
+
+## Training
+- Data: {len(rows)} prompts from PyPI corpora ({', '.join(f'{d} {n}' for d, n in sorted(per_domain.items()))}) with
+  responses regenerated by the target at temperature 0 ({resp_tokens} response tokens); held-out prompts per
+  domain never trained on (`python -m dspine_jax.train.data`).
+- Objective: {'0.1·CE + 0.9·L1 to the target distribution, LWR refinement loss over the detached top-16, cosine alignment (β warm-up 0→0.5), predecessor replacement in the first 3 layers' if kind == 'dspine' else 'cross-entropy'};
+  γ = 7 position decay with the cumulative supervision mask.
+- {steps} steps{f" (cut at step {steps} of a {args['steps']}-step cosine schedule; `--resume` finishes it)" if steps < args['steps'] else ''} × {args['batch_size']} sequences × {args['anchors']} anchors = {blocks} blocks
+  ({blocks * 15} supervised slot positions at most); AdamW lr {args['lr']}, cosine with 4 % warm-up, clip 1.0, seed {args['seed']}.
+- Wall time {stats['wall_seconds'] / 60:.1f} min on a shared 2-core CPU (the DFlash and DSpine runs ran side by side).
+- Training metrics (one batch each, noisy) at step {last.get('step', steps)}: loss {last.get('loss', float('nan')):.3f},
+  unary CE {last.get('ce', float('nan')):.3f}, top-1 accuracy {last.get('acc', float('nan')):.3f}; mean over the last 5 logged steps:
+  CE {smooth.get('ce', float('nan')):.3f}, accuracy {smooth.get('acc', float('nan')):.3f} (`metrics.jsonl` of the run).
+
+Reproduce: `python -m dspine_jax.train --target smollm2-135m-instruct --kind {kind} --data DATA --out RUN
+--steps {args['steps']} --batch-size {args['batch_size']} --anchors {args['anchors']} --lr {args['lr']} --max-len {args['max_len']}
+--intermediate-size {args['intermediate_size']} --transfer-rank {args['transfer_rank']} --message-size {args['message_size']}{f" --alignment-warmup-steps {args['alignment_warmup_steps']}" if args.get('alignment_warmup_steps') else ''} --export-dtype bfloat16`
+(`--resume` continues a run exactly from its last orbax checkpoint).
+
+## Acceptance length τ (held-out prompts, tokens per verify step incl. bonus)
+{tau_lines or '(see RESULTS.md)'}
+"""
+    (dest / "README.md").write_text(card)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", type=Path, required=True)
+    ap.add_argument("--dest", type=Path, required=True)
+    ap.add_argument("--results", type=Path, default=None)
+    ap.add_argument("--data", type=Path, default=None)
+    ap.add_argument("--step", type=int, default=None, help="export this orbax checkpoint step instead of RUN/export")
+    a = ap.parse_args(argv)
+    write_card(a.run, a.dest, a.results, a.data, a.step)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""The training loop: objective, jitted step, AdamW + cosine schedule, orbax checkpoints, exact resume.
+
+Exact resume: everything random is a pure function of ``(seed, step)`` — the batch order is a
+per-epoch permutation seeded by ``(seed, epoch)``, anchors / replacement flags use
+``fold_in(key(seed), step)`` — and the checkpoint holds the trainable params, the optimiser state and
+the step. So a run restored at step ``k`` computes bit-for-bit the same step ``k+1`` as an
+uninterrupted run.
+
+The frozen parts (target embedding, LM head, DSpine transfer codes) are not trained and not
+checkpointed: they come from the target (codes are rebuilt deterministically by ``init_drafter``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import Array
+
+from dspine_jax.drafter import Drafter, _code, refine
+from dspine_jax.train.losses import (
+    alignment_terms,
+    ce_terms,
+    dspine_schedule,
+    l1_terms,
+    refinement_terms,
+    slot_weights,
+)
+from dspine_jax.train.model import block_ids, train_forward
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 4
+    anchors: int = 8  # blocks per sequence
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # position decay
+    seed: int = 0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_every: int = 0  # 0: no periodic τ
+    alignment_warmup_steps: int | None = None  # None: the drafter config's
+
+
+@dataclasses.dataclass
+class Batch:
+    """One training batch (host arrays).
+
+    tokens [B, S] int32; loss_mask [B, S] bool (response tokens); tapped [n, B, S, H] target features;
+    teacher_hidden [B, S, H] the target's final-normed hidden (teacher logits = ``teacher_hidden @ head``)."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    tapped: np.ndarray
+    teacher_hidden: np.ndarray
+
+
+def sample_anchors(key: Array, loss_mask: Array, num_anchors: int) -> tuple[Array, Array]:
+    """SpecForge ``_sample_anchor_positions``: up to ``num_anchors`` distinct positions per row whose
+    token and next token are both supervised, sorted; ``keep`` flags the real ones (rest are 0)."""
+    b, s = loss_mask.shape
+    valid = loss_mask[:, :-1] & loss_mask[:, 1:]  # [B, S-1]
+    width = min(num_anchors, s - 1)
+    r = jnp.where(valid, jax.random.uniform(key, valid.shape), 2.0)
+    cand = jnp.argsort(r, axis=1)[:, :width]
+    counts = valid.sum(axis=1)
+    keep = jnp.arange(width)[None, :] < jnp.minimum(counts, width)[:, None]
+    sentinel = s - 1
+    anchors = jnp.sort(jnp.where(keep, cand, sentinel), axis=1)
+    keep = anchors < sentinel
+    return jnp.where(keep, anchors, 0).astype(jnp.int32), keep
+
+
+def objective(
+    trainable,
+    codes: Array | None,
+    config,
+    embed: Array,
+    lm_head: Array,
+    batch: dict[str, Array],
+    anchors: Array,
+    keep: Array,
+    replace: Array | None,
+    beta: Array,
+    gamma: float,
+) -> tuple[Array, dict[str, Array]]:
+    """Loss and metrics for one batch (the DFlash CE or the full DSpine objective)."""
+    drafter = Drafter(params=trainable.replace(transfer_codes=codes), config=config)
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    s = tokens.shape[1]
+    t = config.block_size
+    fwd = train_forward(drafter, embed, batch["tapped"], tokens, anchors, replace)
+    labels, positions = block_ids(tokens, anchors, t)  # [B, A, T]
+    lab = labels[..., 1:]
+    pos = positions[..., 1:]
+    safe = jnp.minimum(pos, s - 1)
+    in_mask = jnp.take_along_axis(mask[:, None, :], safe, axis=2)
+    supervised = (pos < s) & keep[..., None] & in_mask  # [B, A, P]
+    weights = slot_weights(supervised, gamma)
+    denominator = jnp.maximum(weights.sum(), 1e-6)
+    count = jnp.maximum(supervised.sum(), 1)
+    hidden = fwd.hidden[:, :, 1:]
+    logits = jnp.matmul(hidden, lm_head, preferred_element_type=jnp.float32)  # [B, A, P, V]
+    ce, logp = ce_terms(logits, lab, weights)
+    correct = jnp.sum((jnp.argmax(logits, -1) == lab) & supervised)
+    metrics = {"ce": ce / denominator, "acc": correct / count}
+    if not config.is_dspine:
+        metrics["loss"] = ce / denominator
+        return ce / denominator, metrics
+
+    settings = config.dspine_settings
+    # Teacher: the target's distribution for the token at position p is read at position p-1.
+    th = batch["teacher_hidden"]
+    b, a, p = pos.shape
+    idx = jnp.maximum(safe - 1, 0).reshape(b, a * p)
+    teacher_h = jnp.take_along_axis(th, idx[..., None], axis=1).reshape(b, a, p, -1)
+    teacher = jax.lax.stop_gradient(
+        jax.nn.softmax(jnp.matmul(teacher_h, lm_head, preferred_element_type=jnp.float32), axis=-1)
+    )
+    l1 = l1_terms(logp, teacher, weights)
+    _, cand = jax.lax.top_k(jax.lax.stop_gradient(logits), config.top_k)  # [B, A, P, K]
+    refined = refine(drafter, fwd.pre_injection[:, :, 1:], labels[..., :-1])  # true predecessors
+    scores = jnp.einsum(
+        "baph,bapkh->bapk", refined, _head_rows_from(lm_head, cand), preferred_element_type=jnp.float32
+    )
+    ce_weight = settings["ce_weight"]
+    refinement, covered = refinement_terms(
+        scores, cand, lab, teacher, weights, ce_weight, settings["candidate_mass_threshold"]
+    )
+    codes_lab = jax.lax.stop_gradient(_code(drafter, lab))
+    alignment = alignment_terms(fwd.layer_features[:, :, :, 1:], codes_lab, weights)
+    alignment_scale = beta * jax.lax.stop_gradient(ce / denominator)
+    numerator = ce_weight * ce + (1 - ce_weight) * l1 + refinement + alignment_scale * alignment
+    loss = numerator / denominator
+    metrics.update(
+        loss=loss,
+        l1=l1 / denominator,
+        refinement=refinement / denominator,
+        alignment=alignment / denominator,
+        coverage=jnp.sum(covered & supervised) / count,
+        beta=jnp.asarray(beta, jnp.float32),
+    )
+    return loss, metrics
+
+
+def _head_rows_from(lm_head: Array, ids: Array) -> Array:
+    return jnp.moveaxis(jnp.take(lm_head, ids, axis=1), 0, -1)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    warmup = max(1, int(round(cfg.warmup_ratio * cfg.steps)))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
+    )
+
+
+def split_params(drafter: Drafter):
+    """(trainable params without the frozen transfer codes, the codes)."""
+    return drafter.params.replace(transfer_codes=None), drafter.params.transfer_codes
+
+
+def _global_norm(tree) -> Array:
+    tree_norm = getattr(getattr(optax, "tree", None), "norm", None)
+    return tree_norm(tree) if tree_norm is not None else optax.global_norm(tree)
+
+
+def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation):
+    """The jitted train step ``(trainable, opt_state, codes, embed, lm_head, batch, step) →
+    (trainable, opt_state, metrics)``; randomness from ``fold_in(key(seed), step)``."""
+    settings = dict(config.dspine_settings) if config.is_dspine else {}
+    if settings and cfg.alignment_warmup_steps is not None:
+        settings["alignment_warmup_steps"] = cfg.alignment_warmup_steps
+
+    def step_fn(trainable, opt_state, codes, embed, lm_head, batch, step):
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
+        k_anchor, k_replace = jax.random.split(key)
+        anchors, keep = sample_anchors(k_anchor, batch["loss_mask"], cfg.anchors)
+        replace, beta = None, jnp.float32(0.0)
+        if config.is_dspine:
+            beta, probability = dspine_schedule(step, cfg.steps, settings)
+            replace = (jax.random.uniform(k_replace, anchors.shape) < probability) & keep
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(
+            trainable, codes, config, embed, lm_head, batch, anchors, keep, replace, beta, cfg.gamma
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        metrics["grad_norm"] = _global_norm(grads)
+        return trainable, opt_state, metrics
+
+    return jax.jit(step_fn, donate_argnums=(0, 1))
+
+
+def eval_loss(config, cfg: TrainConfig, trainable, codes, embed, lm_head, batch, step: int = 0):
+    """Objective without an update (no replacement), for tests and held-out loss."""
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
+    anchors, keep = sample_anchors(jax.random.split(key)[0], batch["loss_mask"], cfg.anchors)
+    return objective(trainable, codes, config, embed, lm_head, batch, anchors, keep, None, jnp.float32(0.0), cfg.gamma)
+
+
+class Dataset:
+    """Fixed-length training rows plus their target features (any array-like supporting fancy
+    indexing, e.g. a ``np.memmap``): ``features [N, S, n+1, H]`` — the n taps then the final hidden."""
+
+    def __init__(self, tokens: np.ndarray, loss_mask: np.ndarray, features) -> None:
+        self.tokens, self.loss_mask, self.features = tokens, loss_mask, features
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def indices(self, step: int, batch_size: int, seed: int) -> np.ndarray:
+        n = len(self)
+        out = []
+        pos = step * batch_size
+        while len(out) < batch_size:
+            epoch, offset = divmod(pos, n)
+            perm = np.random.default_rng([seed, epoch]).permutation(n)
+            take = min(batch_size - len(out), n - offset)
+            out.extend(perm[offset : offset + take].tolist())
+            pos += take
+        return np.asarray(out)
+
+    def batch(self, step: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+        idx = self.indices(step, batch_size, seed)
+        order = np.argsort(idx)  # memmaps read faster in order
+        feats = np.asarray(self.features[np.sort(idx)], dtype=np.float32)[np.argsort(order)]
+        return {
+            "tokens": np.asarray(self.tokens[idx], np.int32),
+            "loss_mask": np.asarray(self.loss_mask[idx], bool),
+            "tapped": np.ascontiguousarray(np.moveaxis(feats[:, :, :-1], 2, 0)),
+            "teacher_hidden": np.ascontiguousarray(feats[:, :, -1]),
+        }
+
+
+def _checkpoint_manager(out: Path, cfg: TrainConfig):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True)
+    return ocp.CheckpointManager((out / "checkpoints").absolute(), options=options)
+
+
+def restore_state(out: Path, cfg: TrainConfig, state: dict, step: int | None = None) -> tuple[dict, int]:
+    """Restore ``state`` (trainable, opt_state) from the latest (or given) orbax checkpoint."""
+    import orbax.checkpoint as ocp
+
+    mngr = _checkpoint_manager(out, cfg)
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        mngr.close()
+        return state, 0
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+    mngr.close()
+    return restored, int(step)
+
+
+def train(
+    drafter: Drafter,
+    embed: Array,
+    lm_head: Array,
+    dataset: Dataset,
+    cfg: TrainConfig,
+    out: str | Path,
+    resume: bool = False,
+    stop_at: int | None = None,
+    eval_fn: Callable[[Drafter, int], dict[str, float]] | None = None,
+    progress: bool = True,
+) -> tuple[Drafter, list[dict[str, float]]]:
+    """Train ``drafter`` for ``cfg.steps`` (or until ``stop_at``), checkpointing every
+    ``cfg.checkpoint_every`` steps and at the end. Returns the trained drafter and per-step metrics
+    (also appended to ``out/metrics.jsonl``)."""
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = drafter.config
+    optimizer = make_optimizer(cfg)
+    trainable, codes = split_params(drafter)
+    state = {"params": trainable, "opt_state": optimizer.init(trainable)}
+    start = 0
+    if resume:
+        state, start = restore_state(out, cfg, state)
+    step_fn = make_step(config, cfg, optimizer)
+    mngr = _checkpoint_manager(out, cfg)
+    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    history: list[dict[str, float]] = []
+    log_path = out / "metrics.jsonl"
+    # Fresh buffers: init_drafter may share one array between layers (identical readouts), and the
+    # jitted step donates its inputs.
+    trainable, opt_state = jax.tree.map(jnp.copy, (state["params"], state["opt_state"]))
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not progress, dynamic_ncols=True)
+    t_last = time.perf_counter()
+    for step in bar:
+        batch = dataset.batch(step, cfg.batch_size, cfg.seed)
+        trainable, opt_state, metrics = step_fn(trainable, opt_state, codes, embed, lm_head, batch, jnp.int32(step))
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        metrics.update(step=step + 1, step_time=now - t_last)
+        t_last = now
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise FloatingPointError(f"non-finite metrics at step {step + 1}: {metrics}")
+        history.append(metrics)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}", s=f"{metrics['step_time']:.2f}")
+        done = step + 1
+        if done % cfg.checkpoint_every == 0 or done == end:
+            mngr.save(done, args=ocp.args.StandardSave({"params": trainable, "opt_state": opt_state}))
+        if eval_fn is not None and cfg.eval_every and done % cfg.eval_every == 0:
+            metrics.update(eval_fn(Drafter(params=trainable.replace(transfer_codes=codes), config=config), done))
+            bar.write(f"step {done}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("tau")))
+        if done % cfg.log_every == 0 or done == end:
+            with log_path.open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+    mngr.wait_until_finished()
+    mngr.close()
+    return Drafter(params=trainable.replace(transfer_codes=codes), config=config), history

@@ -1,0 +1,175 @@
+"""Acceptance-length study: τ per domain on held-out prompts, greedy and temperature 1, for the shipped
+DFlash and DSpine SmolLM2 drafters and two DSpine ablations, plus end-to-end speed against our AR decode.
+
+    python experiments/acceptance/run.py [--data DIR] [--max-new-tokens 64] [--out experiments/acceptance]
+
+Variants (all inference-time switches on the same trained weights — nothing is retrained):
+
+* ``dflash``        the DFlash drafter (bidirectional block, independent per-slot decode over V);
+* ``dspine``        the DSpine drafter (injection + last-write refinement + transition-table walk);
+* ``dspine-no-lwr`` same forward (injection on), proposals straight from the unary logits (top-K,
+                    independent per slot): no last-write refinement / transition walk;
+* ``dspine-no-inj`` injection switched off in every layer and no LWR: the causal backbone alone. The
+                    backbone was trained *with* injection, so this under-states a DSpine trained
+                    without it (the paper's ablation retrains); it shows what the injection carries.
+
+At temperature 1 every variant reports its exact draft distribution ``q`` (over its candidates), so
+verification stays lossless; at temperature 0 greedy output equals AR output token for token (checked).
+Writes ``results.json``, ``RESULTS.md`` (table) and ``tau.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from flax import struct  # noqa: E402
+
+from dspine_jax import drafter as D  # noqa: E402
+from dspine_jax.drafter_io import load_drafter  # noqa: E402
+from dspine_jax.generate import enable_compilation_cache, generate  # noqa: E402
+from dspine_jax.speculative import DrafterProposer, speculative_generate  # noqa: E402
+from dspine_jax.target import load_target  # noqa: E402
+from dspine_jax.train.data import DOMAINS, default_data_dir, load_heldout  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@struct.dataclass
+class AblatedProposer(DrafterProposer):
+    """A DSpine drafter decoded without LWR (``inject=True``) or without any injection (``inject=False``):
+    unary top-K logits, each slot chosen independently (greedy argmax / sample from the softmax over the
+    K candidates, which is the reported ``q``)."""
+
+    inject: bool = struct.field(pytree_node=False, default=True)
+
+    def propose(self, target, state, anchor, counts, key, temperature, num):
+        drafter = self.drafter
+        if num + 1 < drafter.config.block_size:
+            drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
+        fwd = D.forward(drafter, target, state, D.block_tokens(drafter, anchor), inject=self.inject)
+        unary = drafter.replace(config=dataclasses.replace(drafter.config, kind="dflash"))
+        out = D.decode(unary, target, fwd, anchor, key, temperature)
+        return D.DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--data", type=Path, default=None)
+    ap.add_argument("--dspine", type=Path, default=ROOT / "checkpoints/smollm2-135m-dspine-b16")
+    ap.add_argument("--dflash", type=Path, default=ROOT / "checkpoints/smollm2-135m-dflash-b16")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts per domain")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--variants", default="dflash,dspine,dspine-no-lwr,dspine-no-inj")
+    ap.add_argument("--timing", action="store_true", help="second greedy run of AR / dflash / dspine for speed")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    args = ap.parse_args(argv)
+    enable_compilation_cache()
+
+    target = load_target(args.target)
+    data = args.data or default_data_dir() / Path(args.target).name
+    held = load_heldout(data)
+    dspine = load_drafter(args.dspine, target)
+    dflash = load_drafter(args.dflash, target)
+    proposers = {
+        "dflash": dflash,
+        "dspine": dspine,
+        "dspine-no-lwr": AblatedProposer(drafter=dspine, inject=True),
+        "dspine-no-inj": AblatedProposer(drafter=dspine, inject=False),
+    }
+    variants = args.variants.split(",")
+    temps = [float(t) for t in args.temperatures.split(",")]
+    # One batch holds every domain's prompts (one compilation per variant and temperature); τ per domain
+    # is then computed from the per-row acceptance lengths.
+    prompts, row_domain = [], []
+    for domain in DOMAINS:
+        for r in held.get(domain, [])[: args.prompts]:
+            prompts.append(r["prompt_ids"])
+            row_domain.append(domain)
+    domains = [d for d in DOMAINS if d in row_domain]
+    results: dict = {"max_new_tokens": args.max_new_tokens, "tau": {}, "speed": {}, "greedy_exact": {},
+                     "prompts": {d: row_domain.count(d) for d in domains}, "batch": len(prompts)}
+
+    def per_domain(res) -> dict[str, float]:
+        out = {}
+        for d in domains + ["all"]:
+            rows = [i for i, rd in enumerate(row_domain) if d in ("all", rd)]
+            steps = sum(len(res.acceptance_lengths[i]) for i in rows)
+            out[d] = sum(sum(res.acceptance_lengths[i]) for i in rows) / max(steps, 1)
+        return out
+
+    t0 = time.perf_counter()
+    ar = generate(target, prompts, max_new_tokens=args.max_new_tokens)
+    print(f"AR batch {len(prompts)}: {time.perf_counter() - t0:.1f}s", flush=True)
+    for temp in temps:
+        for name in variants:
+            t0 = time.perf_counter()
+            res = speculative_generate(target, proposers[name], prompts, args.max_new_tokens, temperature=temp, seed=0)
+            results["tau"][f"{name}@T{temp:g}"] = per_domain(res)
+            if temp == 0:
+                results["greedy_exact"][name] = res.token_ids == ar.token_ids
+            print(f"T={temp:g} {name:14s} " + " ".join(f"{d}={v:.2f}" for d, v in per_domain(res).items())
+                  + f" ({time.perf_counter() - t0:.1f}s)", flush=True)
+            (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    if args.timing:  # second runs: everything is compiled now
+        ar = generate(target, prompts, max_new_tokens=args.max_new_tokens)
+        speed = {"ar": ar.decode_tokens_per_second}
+        for name in ("dflash", "dspine"):
+            speed[name] = speculative_generate(target, proposers[name], prompts, args.max_new_tokens).decode_tokens_per_second
+        results["speed"]["all (batch %d)" % len(prompts)] = speed
+        print({k: round(v, 1) for k, v in speed.items()}, flush=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_report(results, args.out)
+
+
+def write_report(results: dict, out: Path) -> None:
+    domains = [d for d in DOMAINS if d in results["prompts"]] + ["all"]
+    lines = ["| variant | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+    for name, row in results["tau"].items():
+        vals = [row.get(d, float("nan")) for d in domains]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
+    table = "\n".join(lines)
+    speed = ""
+    if results["speed"]:
+        s_lines = ["| prompts | AR tok/s | DFlash tok/s | DSpine tok/s | DSpine speedup |", "|---|---|---|---|---|"]
+        for d, sp in results["speed"].items():
+            s_lines.append(f"| {d} | {sp['ar']:.1f} | {sp['dflash']:.1f} | {sp['dspine']:.1f} | {sp['dspine'] / sp['ar']:.2f}× |")
+        speed = "\n".join(s_lines)
+    (out / "table.md").write_text(table + "\n\n" + speed + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+
+        names = list(results["tau"])
+        x = np.arange(len(domains))  # noqa: F841
+        width = 0.8 / max(len(names), 1)
+        fig, ax = plt.subplots(figsize=(9, 4.8))
+        for i, name in enumerate(names):
+            ax.bar(x + i * width, [results["tau"][name].get(d, 0) for d in domains], width, label=name)
+        ax.set_xticks(x + 0.4 - width / 2, domains)
+        ax.set_ylabel("acceptance length τ (tokens / verify step)")
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+        ax.set_ylim(0.9, None)
+        ax.set_title("SmolLM2-135M-Instruct, held-out prompts, block 16")
+        fig.tight_layout()
+        fig.savefig(out / "tau.png", dpi=110)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
