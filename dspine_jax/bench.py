@@ -119,7 +119,6 @@ def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str],
             if taus[name]:
                 row["mean_acceptance_median"] = statistics.median(taus[name])
             rows.append(row)
-        del ours, hf
     by = {(r["system"], r["dtype"]): r["tokens_per_second_median"] for r in rows}
     ratios = {f"{system}/hf" if system != "ours" else "ours/hf": {d: by[(system, d)] / by[("hf", d)] for d in dtypes}
               for system in {r["system"] for r in rows} - {"hf"}}

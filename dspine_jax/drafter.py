@@ -61,7 +61,7 @@ from flax import struct
 from jax import Array
 
 from dspine_jax.drafter_config import DrafterConfig
-from dspine_jax.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, swiglu
+from dspine_jax.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.target import Target, lm_logits
 from kernels.pallas import dispatch
 from kernels.pallas import draft_attention as _attention_kernel
@@ -181,9 +181,7 @@ def init_draft_cache(drafter: Drafter, batch: int, capacity: int) -> DraftCache:
 def context_slot_positions(cache: DraftCache) -> Array:
     """Absolute position held by each ring slot ``[B, S]`` (negative = empty): the latest p < lengths
     with p ≡ slot (mod S)."""
-    s = cache.capacity
-    last = cache.lengths[:, None] - 1  # [B, 1]
-    return last - jnp.mod(last - jnp.arange(s)[None, :], s)
+    return _attention_kernel.ring_positions(cache.lengths, cache.capacity)
 
 
 def fuse_context(drafter: Drafter, tapped: Array) -> Array:
@@ -329,49 +327,6 @@ def block_tokens(drafter: Drafter, anchor: Array) -> Array:
     return jnp.concatenate([anchor.astype(jnp.int32)[:, None], mask], axis=1)
 
 
-def _visible(config: DrafterConfig, layer: int, cache: DraftCache, t: int) -> Array:
-    """Which keys ``[ring slots ; block]`` each block query sees: ``[B, T, S + T]`` bool.
-
-    Context slot: filled, and (windowed layers) ``query_pos - key_pos < W``. In-block: causal layers see
-    slots ≤ own; windows bound the distance on the left, and on both sides for bidirectional layers (as
-    z-lab's ``_attention_mask`` does; only matters when W < block size).
-    """
-    window, causal = config.layer_windows[layer], config.layer_causal[layer]
-    key_pos = context_slot_positions(cache)  # [B, S]
-    query_pos = cache.lengths[:, None] + jnp.arange(t)  # [B, T]
-    ctx = jnp.broadcast_to((key_pos >= 0)[:, None, :], (key_pos.shape[0], t, key_pos.shape[1]))
-    if window:
-        ctx = ctx & (query_pos[:, :, None] - key_pos[:, None, :] < window)
-    q_off, k_off = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    blk = jnp.ones((t, t), bool)
-    if causal:
-        blk = blk & (k_off <= q_off)
-    if window:
-        blk = blk & (q_off - k_off < window)
-        if not causal:
-            blk = blk & (k_off - q_off < window)
-    return jnp.concatenate([ctx, jnp.broadcast_to(blk, (ctx.shape[0], t, t))], axis=-1)
-
-
-def _block_attention(q: Array, ctx_k: Array, ctx_v: Array, k: Array, v: Array, visible: Array) -> Array:
-    """GQA of block queries over ``[context ring ; block]`` without concatenating the keys (that would
-    copy the whole ring at every draft): two score products, one joint float32 softmax, two PV products.
-
-    q ``[B, T, N, D]``, ctx_k/v ``[B, K, S, D]``, k/v ``[B, T, K, D]`` (the block's own), visible
-    ``[B, T, S + T]`` → ``[B, T, N, D]``.
-    """
-    b, t, n, d = q.shape
-    kh, s = ctx_k.shape[1], ctx_k.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, d)
-    ctx_scores = jnp.einsum("btkgd,bksd->bkgts", qg, ctx_k, preferred_element_type=jnp.float32)
-    blk_scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.concatenate([ctx_scores, blk_scores], axis=-1) * (d**-0.5)  # [B, K, G, T, S+T]
-    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], ctx_v) + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v)
-    return out.reshape(b, t, n, d)
-
-
 def _layer(drafter: Drafter, layer: int, x: Array, cache: DraftCache, cos: Array, sin: Array) -> Array:
     """One decoder layer on the block ``x [B, T, H]``: queries from the block, keys/values from
     ``[cached context ; block]``."""
@@ -383,11 +338,14 @@ def _layer(drafter: Drafter, layer: int, x: Array, cache: DraftCache, cos: Array
     q = apply_rope(rms_norm((normed @ lp.q).reshape(b, t, n, d), lp.q_norm, eps), cos, sin)
     k = apply_rope(rms_norm((normed @ lp.k).reshape(b, t, kh, d), lp.k_norm, eps), cos, sin)
     v = (normed @ lp.v).reshape(b, t, kh, d)
-    # Kernel dispatch (kernels/pallas/dispatch.py, chosen at trace time): the reference path is this module's
-    # own jnp code, unchanged; otherwise the Pallas kernel with the same semantics (tiles skipped, not masked).
+    # Kernel dispatch (kernels/pallas/dispatch.py, chosen at trace time): the pure-jnp reference beside the
+    # kernel, or the Pallas kernel with the same semantics (tiles skipped, not masked).
     backend = dispatch.select(_attention_kernel.KERNEL_NAME)
     if backend.is_reference:
-        attn = _block_attention(q, cache.k[layer], cache.v[layer], k, v, _visible(config, layer, cache, t))
+        attn = _attention_kernel.draft_attention_reference(
+            q, cache.k[layer], cache.v[layer], k, v, cache.lengths,
+            window=config.layer_windows[layer], causal=config.layer_causal[layer],
+        )  # fmt: skip
     else:
         attn = _attention_kernel.draft_attention_pallas(
             q, cache.k[layer], cache.v[layer], k, v, cache.lengths,

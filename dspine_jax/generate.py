@@ -89,6 +89,23 @@ def pad_prompts(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
     return tokens, np.asarray([len(r) for r in rows], np.int32)
 
 
+def plan_request(
+    target: tgt.Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
+    top_p: float, top_k: int, stop_ids: Sequence[int] | None,
+) -> tuple[list[list[int]], int, np.ndarray, np.ndarray, list[int]]:
+    """Validate a request and lay it out: rows, cache capacity, padded tokens ``[B, P]``, lengths ``[B]``
+    and stop ids (``None`` → the model's EOS ids). Shared by plain and speculative decoding."""
+    validate_sampling(temperature, top_p, top_k)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    config = target.config
+    rows = validate_prompts(prompt_ids, config.vocab_size)
+    capacity = plan_capacity([len(r) for r in rows], max_new_tokens, config.max_position_embeddings)
+    tokens, lengths = pad_prompts(rows, config.pad_token_id or 0)
+    stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
+    return rows, capacity, tokens, lengths, stops
+
+
 @functools.partial(jax.jit, static_argnames=("capacity", "top_k", "greedy"))
 def prefill(
     target: tgt.Target, tokens: Array, lengths: Array, key: Array, temperature: Array, top_p: Array,
@@ -153,14 +170,8 @@ def generate(
     stop_ids: Sequence[int] | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` per row. ``stop_ids=None`` uses the model's EOS ids; ``[]`` none."""
-    validate_sampling(temperature, top_p, top_k)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    config = target.config
-    rows = validate_prompts(prompt_ids, config.vocab_size)
-    capacity = plan_capacity([len(r) for r in rows], max_new_tokens, config.max_position_embeddings)
-    tokens, lengths = pad_prompts(rows, config.pad_token_id or 0)
-    stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
+    request = plan_request(target, prompt_ids, max_new_tokens, temperature, top_p, top_k, stop_ids)
+    rows, capacity, tokens, lengths, stops = request
     greedy = temperature == 0
     key_prefill, key_decode = jax.random.split(jax.random.key(seed))
     temp, top_p_arr = jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p)

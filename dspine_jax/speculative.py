@@ -47,8 +47,8 @@ from jax import Array
 
 from dspine_jax import target as tgt
 from dspine_jax.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache
-from dspine_jax.generate import GenerationResult, _round_up, pad_prompts, plan_capacity, validate_prompts
-from dspine_jax.sampling import sample, sampling_probs, validate_sampling
+from dspine_jax.generate import GenerationResult, _round_up, plan_request
+from dspine_jax.sampling import sample, sampling_probs
 
 TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
 STOP_BUCKET = 8  # stop ids are padded with -1 to a multiple of this, so their count does not recompile
@@ -454,20 +454,15 @@ def speculative_generate(
     ``python -m dspine_jax.tune``) by batch size, else the drafter's block size. ``stop_ids=None`` uses
     the model's EOS ids, ``[]`` none. Greedy (temperature 0) output equals ``generate``'s.
     """
-    validate_sampling(temperature, top_p, top_k)
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    config = target.config
+    rows, capacity, tokens, lengths, stops = plan_request(
+        target, prompt_ids, max_new_tokens, temperature, top_p, top_k, stop_ids
+    )
     proposer = as_proposer(drafter)
     if isinstance(proposer, DrafterProposer):
         from dspine_jax.drafter_io import check_compatible
 
         check_compatible(proposer.drafter.config, target)
-    rows = validate_prompts(prompt_ids, config.vocab_size)
     verify_len = resolve_verify_length(proposer, len(rows), block_size, sps_table)
-    capacity = plan_capacity([len(r) for r in rows], max_new_tokens, config.max_position_embeddings)
-    tokens, lengths = pad_prompts(rows, config.pad_token_id or 0)
-    stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
     stops += [-1] * (_round_up(max(len(stops), 1), STOP_BUCKET) - len(stops))
     greedy = temperature == 0
     key_prefill, key_loop = jax.random.split(jax.random.key(seed))

@@ -89,30 +89,9 @@ def attention_inputs(seed: int, b, t, n, kh, d, s, dtype) -> tuple[jax.Array, ..
     return tuple(normal(rng, shape, dtype) for shape in shapes)
 
 
-def test_mask_value_and_reference_match_the_drafter():
-    """The kernel module's reference is the drafter's _visible + _block_attention, bit for bit."""
+def test_mask_value_matches_the_library():
+    """kernels/ cannot import the library (which imports the kernels), so it repeats the constant."""
     assert DA.MASK_VALUE == MASK_VALUE
-    from dspine_jax.drafter_config import DrafterConfig
-
-    s, t = 7, 4
-    lengths = jnp.array([0, 3, 7, 19], jnp.int32)
-    q, ck, cv, k, v = attention_inputs(fresh_seed(), 4, t, 4, 2, 8, s, jnp.float32)
-    cache = D.DraftCache(k=(ck,), v=(cv,), lengths=lengths)
-    for window, causal in [(0, True), (5, True), (3, False)]:
-        config = DrafterConfig(
-            kind="dflash", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4,
-            num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, block_size=t, mask_token_id=0,
-            target_layer_ids=(0,), num_target_layers=1, layer_windows=(window,), layer_causal=(causal,), top_k=8,
-        )  # fmt: skip
-        # Under jit, as the drafter runs.
-        visible = jax.jit(D._visible, static_argnums=(0, 1, 3))(config, 0, cache, t)
-        mask = jax.jit(DA.visible_mask, static_argnums=(1, 2, 3, 4))(lengths, s, t, window, causal)
-        np.testing.assert_array_equal(np.asarray(mask), np.asarray(visible))
-        ours = jax.jit(functools.partial(DA.draft_attention_reference, window=window, causal=causal))
-        np.testing.assert_array_equal(
-            np.asarray(ours(q, ck, cv, k, v, lengths)),
-            np.asarray(jax.jit(D._block_attention)(q, ck, cv, k, v, visible)),
-        )
 
 
 # (block T, heads N, kv heads K, head_dim D, ring S, window W, causal, dtype): windows below the context,
