@@ -6,6 +6,13 @@
 
 ``--draft`` adds our speculative decoding as a third column (τ and its speedup over our AR).
 
+    python -m dspine_jax.bench --report [--prompts-per-domain 2] [--dflash D] [--dspine D] [--data DIR]
+                               [--dtypes float32] [--out experiments/results/report.json]
+
+``--report`` compares five systems on the held-out drafter prompts of every domain (code, math, chat,
+prose): HF AR, HF prompt-lookup decoding, our AR, ours + DFlash, ours + DSpine — tokens/s, τ, speedups
+and a token-for-token check against HF AR; writes ``report.json``, ``report.md`` and ``report.png``.
+
 Same weights, prompts (chat-formatted), dtype and token count (stop ids disabled on both sides so every
 run decodes exactly N tokens), greedy. Each (system, dtype, prompt) is warmed up once — compilation
 for us, first-call allocations for torch — then timed ``--repeats`` times; the table reports medians.
@@ -15,11 +22,13 @@ Systems alternate within each repeat, so machine noise hits both alike.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,7 @@ DEFAULT_PROMPTS = [
     "How many clips did Natalia sell altogether in April and May?",
     "Tell me a short story about a lighthouse keeper.",
 ]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine_info() -> dict[str, Any]:
@@ -46,40 +56,86 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def time_ours(target, prompt: list[int], n: int) -> float:
+# ----------------------------------------------------------------------------------------------
+# One timed decode per system: seconds, the token ids, and (speculative systems) acceptance counts
+
+
+@dataclasses.dataclass
+class Run:
+    seconds: float
+    token_ids: list[int]
+    accepted: int | None = None  # output tokens produced by verify steps (bonus tokens included)
+    steps: int | None = None  # verify steps (target forwards that checked proposals)
+
+    @property
+    def tau(self) -> float | None:
+        return self.accepted / self.steps if self.steps else None
+
+
+def run_ours(target, prompt: list[int], n: int) -> Run:
     from dspine_jax.generate import generate
 
     result = generate(target, [prompt], n, stop_ids=[])
     assert len(result.token_ids[0]) == n
-    return result.seconds
+    return Run(result.seconds, result.token_ids[0])
 
 
-def time_speculative(target, drafter, prompt: list[int], n: int) -> tuple[float, float]:
-    """Seconds and mean acceptance τ of one speculative run (same tokens as ``time_ours``, greedy)."""
+def run_speculative(target, drafter, prompt: list[int], n: int) -> Run:
+    """τ = tokens per verify step; the first token is prefill's and not counted (``mean_acceptance``)."""
     from dspine_jax.speculative import speculative_generate
 
     result = speculative_generate(target, drafter, [prompt], n, stop_ids=[])
     assert len(result.token_ids[0]) == n
-    return result.seconds, result.mean_acceptance
+    kept = result.acceptance_lengths[0]
+    return Run(result.seconds, result.token_ids[0], accepted=sum(kept), steps=len(kept))
+
+
+def run_hf(model, prompt: list[int], n: int, prompt_lookup: int | None = None) -> Run:
+    """HF greedy ``generate``; with ``prompt_lookup`` its prompt-lookup decoding, whose τ is output tokens
+    per target forward (counted with a forward hook; the prefill forward also verifies lookup candidates,
+    so it counts as a step)."""
+    import torch
+
+    forwards = [0]
+    hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    ids = torch.tensor([prompt])
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, **extra)
+        seconds = time.perf_counter() - start
+    finally:
+        hook.remove()
+    assert out.shape[1] - len(prompt) == n
+    tokens = out[0, len(prompt):].tolist()
+    return Run(seconds, tokens, accepted=n, steps=forwards[0]) if prompt_lookup else Run(seconds, tokens)
+
+
+def time_ours(target, prompt: list[int], n: int) -> float:
+    return run_ours(target, prompt, n).seconds
+
+
+def time_speculative(target, drafter, prompt: list[int], n: int) -> tuple[float, float]:
+    """Seconds and mean acceptance τ of one speculative run (same tokens as ``time_ours``, greedy)."""
+    run_ = run_speculative(target, drafter, prompt, n)
+    return run_.seconds, run_.tau
 
 
 def time_hf(model, prompt: list[int], n: int) -> float:
-    import torch
-
-    ids = torch.tensor([prompt])
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    seconds = time.perf_counter() - start
-    assert out.shape[1] - len(prompt) == n
-    return seconds
+    return run_hf(model, prompt, n).seconds
 
 
-def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str], draft: str | None = None) -> dict[str, Any]:
+def load_hf(model_dir: Path, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype), local_files_only=True)
+    return model.eval()
+
+
+def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str], draft: str | None = None) -> dict[str, Any]:
     from dspine_jax.generate import encode_prompt
     from dspine_jax.hub import resolve_model_dir
     from dspine_jax.target import load_target
@@ -91,9 +147,7 @@ def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str],
     rows = []
     for dtype in dtypes:
         ours = load_target(model_dir, dtype=dtype)
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, dtype), local_files_only=True
-        ).eval()
+        hf = load_hf(model_dir, dtype)
         systems = {"ours": lambda p: (time_ours(ours, p, n), None), "hf": lambda p: (time_hf(hf, p, n), None)}
         if draft:
             from dspine_jax.speculative import load_draft
@@ -142,26 +196,334 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{dtype:<10}{cells}{ratios}" + (f"   tau={tau:.2f}" if tau else ""))
 
 
+# ----------------------------------------------------------------------------------------------
+# --report: five systems on the held-out prompts of every domain
+
+SYSTEMS = ("hf", "hf_prompt_lookup", "ours", "ours+dflash", "ours+dspine")
+DEFAULT_DRAFTERS = {
+    "ours+dflash": str(REPO_ROOT / "checkpoints/smollm2-135m-dflash-b16"),
+    "ours+dspine": str(REPO_ROOT / "checkpoints/smollm2-135m-dspine-b16"),
+}
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportPrompt:
+    domain: str
+    source: str
+    ids: list[int]
+
+
+def load_heldout_prompts(model: str, data_dir: Path | None = None) -> dict[str, list[dict]]:
+    """The drafter data's held-out split (``dspine_jax.train.data.load_heldout``): never trained on."""
+    from dspine_jax.train.data import default_data_dir, load_heldout
+
+    data = Path(data_dir) if data_dir else default_data_dir() / Path(model).name
+    if not any(data.glob("prompts*.json")):
+        raise FileNotFoundError(f"no held-out prompts (prompts*.json) under {data}; build them with "
+                                f"`python -m dspine_jax.train.data --target {model}` or pass --data DIR")
+    return load_heldout(data)
+
+
+def select_prompts(held: Mapping[str, Sequence[Mapping]], per_domain: int,
+                   encode: Callable[[list[dict]], list[int]] | None = None) -> list[ReportPrompt]:
+    """The first ``per_domain`` records of each domain (DOMAINS order). A record's chat ``messages`` are
+    encoded with ``encode`` (the acceptance study's ``encode_messages``); else its ``prompt_ids`` are used."""
+    from dspine_jax.train.data import DOMAINS
+
+    if per_domain < 1:
+        raise ValueError(f"--prompts-per-domain must be >= 1, got {per_domain}")
+    out = []
+    for domain in [d for d in DOMAINS if d in held] + [d for d in held if d not in DOMAINS]:
+        records = list(held[domain])[:per_domain]
+        if len(records) < per_domain:
+            print(f"warning: {domain} has only {len(records)} held-out prompts (asked for {per_domain})",
+                  file=sys.stderr)
+        for i, r in enumerate(records):
+            ids = encode(r["messages"]) if encode and "messages" in r else list(r["prompt_ids"])
+            out.append(ReportPrompt(domain, r.get("source", f"{domain}/{i}"), ids))
+    if not out:
+        raise ValueError("no held-out prompts in any domain")
+    return out
+
+
+def check_drafter(name: str, spec: str) -> None:
+    """Fail early (before any model loads) on a drafter path that is not a checkpoint directory."""
+    if spec.startswith("init:"):
+        return
+    if not (Path(spec) / "config.json").is_file():
+        flag = "--" + name.split("+")[-1]
+        raise FileNotFoundError(f"{flag} {spec}: not a drafter checkpoint directory (no config.json there)")
+
+
+def make_systems(model_dir: Path, dtype: str, n: int,
+                 drafters: Mapping[str, str]) -> dict[str, Callable[[list[int]], Run]]:
+    from dspine_jax.speculative import load_draft
+    from dspine_jax.target import load_target
+
+    ours, hf = load_target(model_dir, dtype=dtype), load_hf(model_dir, dtype)
+    dflash, dspine = load_draft(drafters["ours+dflash"], ours), load_draft(drafters["ours+dspine"], ours)
+    return {
+        "hf": lambda p: run_hf(hf, p, n),
+        "hf_prompt_lookup": lambda p: run_hf(hf, p, n, prompt_lookup=PROMPT_LOOKUP_TOKENS),
+        "ours": lambda p: run_ours(ours, p, n),
+        "ours+dflash": lambda p: run_speculative(ours, dflash, p, n),
+        "ours+dspine": lambda p: run_speculative(ours, dspine, p, n),
+    }
+
+
+def measure_prompt(systems: Mapping[str, Callable[[list[int]], Run]], prompt: ReportPrompt, n: int,
+                   repeats: int, label: str) -> dict[str, Any]:
+    """Warm-up once per system, then ``repeats`` rounds over all systems (start rotated each round)."""
+    names = list(systems)
+    runs: dict[str, list[Run]] = {name: [] for name in names}
+    warm = {name: fn(prompt.ids) for name, fn in systems.items()}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            runs[name].append(systems[name](prompt.ids))
+            tau = runs[name][-1].tau
+            print(f"  {label} {prompt.source} {name}: {n / runs[name][-1].seconds:.1f} tok/s"
+                  + (f" tau {tau:.2f}" if tau else ""), file=sys.stderr)
+    reference = warm["hf"].token_ids
+    out = {"domain": prompt.domain, "source": prompt.source, "prompt_tokens": len(prompt.ids), "systems": {}}
+    for name in names:
+        rates = [n / x.seconds for x in runs[name]]
+        last = runs[name][-1]
+        out["systems"][name] = {
+            "tokens_per_second": rates, "tokens_per_second_median": statistics.median(rates),
+            "tau": last.tau, "accepted_tokens": last.accepted, "verify_steps": last.steps,
+            "matches_hf": all(x.token_ids == reference for x in [warm[name], *runs[name]]),
+        }
+    return out
+
+
+def summarize(entries: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per domain and ``all``: pooled median tok/s, pooled τ (Σ accepted / Σ steps), speedups, exactness."""
+    domains = list(dict.fromkeys(e["domain"] for e in entries)) + ["all"]
+    summary = {}
+    for domain in domains:
+        chosen = [e for e in entries if domain in ("all", e["domain"])]
+        rows = {}
+        for name in chosen[0]["systems"]:
+            cells = [e["systems"][name] for e in chosen]
+            steps = sum(c["verify_steps"] or 0 for c in cells)
+            rows[name] = {
+                "tokens_per_second": statistics.median(r for c in cells for r in c["tokens_per_second"]),
+                "tau": sum(c["accepted_tokens"] for c in cells) / steps if steps else None,
+                "matches_hf": all(c["matches_hf"] for c in cells), "prompts": len(cells),
+            }
+        for row in rows.values():
+            row["speedup_vs_hf"] = row["tokens_per_second"] / rows["hf"]["tokens_per_second"]
+            row["speedup_vs_ours"] = row["tokens_per_second"] / rows["ours"]["tokens_per_second"]
+        summary[domain] = rows
+    return summary
+
+
+def build_report(model: str, n: int, repeats: int, per_domain: int, drafters: Mapping[str, str] | None = None,
+                 dtypes: Sequence[str] = ("float32",), held: Mapping[str, Sequence[Mapping]] | None = None,
+                 data_dir: Path | None = None, torch_threads: int | None = None) -> dict[str, Any]:
+    """Measure every system on every selected prompt, per dtype. ``held`` ({domain: [records]}) replaces
+    the held-out data (tests); records carry chat ``messages`` or ready ``prompt_ids``. ``torch_threads``
+    sets torch's intra-op threads for the HF systems (default: torch's own choice); recorded either way."""
+    import torch
+
+    from dspine_jax.hub import resolve_model_dir
+
+    drafters = {**DEFAULT_DRAFTERS, **(drafters or {})}
+    if n < 1 or repeats < 1:
+        raise ValueError(f"--max-new-tokens and --repeats must be >= 1, got {n} and {repeats}")
+    if per_domain < 1:
+        raise ValueError(f"--prompts-per-domain must be >= 1, got {per_domain}")
+    for name in ("ours+dflash", "ours+dspine"):
+        check_drafter(name, drafters[name])
+    if torch_threads is not None:
+        if torch_threads < 1:
+            raise ValueError(f"--torch-threads must be >= 1, got {torch_threads}")
+        torch.set_num_threads(torch_threads)
+    model_dir = resolve_model_dir(model)
+    if held is None:
+        held = load_heldout_prompts(model, data_dir)
+    prompts = select_prompts(held, per_domain, encoder(model_dir, held))
+    results = {}
+    for dtype in dtypes:
+        print(f"[{dtype}] loading {model} + drafters", file=sys.stderr)
+        systems = make_systems(model_dir, dtype, n, drafters)
+        entries = [measure_prompt(systems, p, n, repeats, f"[{dtype} {i + 1}/{len(prompts)}]")
+                   for i, p in enumerate(prompts)]
+        results[dtype] = {"summary": summarize(entries), "prompts": entries}
+    return {"model": model, "max_new_tokens": n, "repeats": repeats, "prompts_per_domain": per_domain,
+            "greedy": True, "systems": list(SYSTEMS), "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+            "drafters": {k: _shown(drafters[k]) for k in ("ours+dflash", "ours+dspine")}, "dtypes": list(dtypes),
+            "machine": machine_info(), "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
+            "results": results}
+
+
+def _shown(spec: str) -> str:
+    """A drafter path relative to the repository when it lies inside it (reports stay machine-independent)."""
+    path = Path(spec).resolve()
+    return str(path.relative_to(REPO_ROOT)) if not spec.startswith("init:") and path.is_relative_to(REPO_ROOT) else spec
+
+
+def encoder(model_dir: Path, held: Mapping[str, Sequence[Mapping]]) -> Callable[[list[dict]], list[int]] | None:
+    """``encode_messages`` with the model's tokenizer, loaded only if some record has chat messages."""
+    if not any("messages" in r for rs in held.values() for r in rs):
+        return None
+    from dspine_jax.tokenizer import load_tokenizer
+    from dspine_jax.train.data import encode_messages
+
+    tokenizer = load_tokenizer(model_dir)
+    return lambda messages: encode_messages(tokenizer, messages)
+
+
+def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _table(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], systems: list[str],
+           cell: Callable[[Mapping[str, Any]], str]) -> list[str]:
+    domains = list(summary)
+    return (["| system | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+            + [f"| {s} | " + " | ".join(cell(summary[d][s]) for d in domains) + " |" for s in systems])
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [
+        f"# Decode speed on held-out prompts: {Path(report['model']).name}", "",
+        f"Greedy, batch 1, exactly {report['max_new_tokens']} new tokens per prompt (stop ids off); "
+        f"the first {report['prompts_per_domain']} held-out prompt(s) per domain; one warm-up, then "
+        f"{report['repeats']} timed repeat(s) with the systems alternating. tok/s = new tokens / wall time "
+        f"incl. prefill, median over prompts × repeats. HF prompt lookup: "
+        f"`prompt_lookup_num_tokens={report['prompt_lookup_num_tokens']}`.", "",
+        f"Machine: {m['platform']}, {m['processor']}, {m['cpu_count']} CPUs; JAX {m['jax']} ({m['jax_backend']}), "
+        f"Python {m['python']}; torch {report['torch']['version']} with {report['torch']['threads']} thread(s). "
+        f"Drafters: DFlash `{report['drafters']['ours+dflash']}`, "
+        f"DSpine `{report['drafters']['ours+dspine']}`.", "",
+    ]
+    for dtype, res in report["results"].items():
+        summary = res["summary"]
+        systems = list(summary["all"])
+        lines += [f"## {report['model']}, {dtype}", "",
+                  "| system | tok/s | τ | × HF AR | × ours AR | tokens = HF AR |", "|---|---|---|---|---|---|"]
+        for s in systems:
+            row = summary["all"][s]
+            lines.append(f"| {s} | {row['tokens_per_second']:.1f} | {_fmt(row['tau'], '.2f')} | "
+                         f"{row['speedup_vs_hf']:.2f}× | {row['speedup_vs_ours']:.2f}× | "
+                         f"{'yes' if row['matches_hf'] else 'NO'} |")
+        spec = [s for s in systems if summary["all"][s]["tau"] is not None]
+        lines += ["", "tokens/s per domain", ""] + _table(summary, systems, lambda c: f"{c['tokens_per_second']:.1f}")
+        lines += ["", "τ per domain", ""] + _table(summary, spec, lambda c: _fmt(c["tau"], ".2f"))
+        lines += ["", "speedup per domain (× HF AR / × ours AR)", ""] + _table(
+            summary, systems, lambda c: f"{c['speedup_vs_hf']:.2f}× / {c['speedup_vs_ours']:.2f}×")
+        lines.append("")
+    lines += ["τ: ours = output tokens per verify step after the prefill token (`mean_acceptance`); HF prompt "
+              "lookup = new tokens / target forwards (its prefill forward also verifies lookup candidates). "
+              "\"tokens = HF AR\": the system's token ids equal HF greedy AR's on every prompt.", ""]
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    dtypes = list(report["results"])
+    fig, axes = plt.subplots(len(dtypes), 2, figsize=(13, 4.6 * len(dtypes)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]})
+    colors = {s: f"C{i}" for i, s in enumerate(report["systems"])}
+    for row, dtype in zip(axes, dtypes):
+        summary = report["results"][dtype]["summary"]
+        domains, systems = list(summary), list(summary["all"])
+        x = np.arange(len(domains))
+        top = max(summary[d][s]["tokens_per_second"] for d in domains for s in systems)
+        _bars(row[0], x, domains, systems, colors, lambda d, s: summary[d][s]["tokens_per_second"],
+              ".0f" if top >= 100 else ".1f")
+        row[0].set_ylabel("tokens/s (median)")
+        row[0].set_title(f"{Path(report['model']).name} {dtype}, {report['max_new_tokens']} new tokens: decode speed")
+        spec = [s for s in systems if summary["all"][s]["tau"] is not None]
+        _bars(row[1], x, domains, spec, colors, lambda d, s: summary[d][s]["tau"] or 0.0, ".2f")
+        row[1].axhline(1.0, color="k", lw=0.5)
+        row[1].set_ylim(0.9, None)
+        row[1].set_ylabel("τ (tokens / verify step)")
+        row[1].set_title("acceptance length τ")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bars(ax, x, domains: list[str], systems: list[str], colors: Mapping[str, str],
+          value: Callable[[str, str], float], fmt: str) -> None:
+    width = 0.8 / max(len(systems), 1)
+    for i, s in enumerate(systems):
+        bars = ax.bar(x + i * width, [value(d, s) for d in domains], width, label=s, color=colors.get(s))
+        ax.bar_label(bars, fmt=f"%{fmt}", fontsize=6)
+    ax.set_xticks(x + 0.4 - width / 2, domains)
+    ax.margins(y=0.12)
+    ax.legend(fontsize=8, ncol=len(systems), loc="upper center", bbox_to_anchor=(0.5, -0.07), frameon=False)
+
+
+def write_report(report: dict[str, Any], out: Path) -> tuple[Path, Path, Path]:
+    """``out`` (JSON) plus ``.md`` and ``.png`` beside it; returns the three paths."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md, png = out.with_suffix(".md"), out.with_suffix(".png")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    md.write_text(report_markdown(report))
+    plot_report(report, png)
+    return out, md, png
+
+
+def report_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.draft or args.prompts:
+        parser.exit(2, "error: --report takes --dflash/--dspine and held-out prompts, not --draft/--prompts\n")
+    drafters = {"ours+dflash": args.dflash or DEFAULT_DRAFTERS["ours+dflash"],
+                "ours+dspine": args.dspine or DEFAULT_DRAFTERS["ours+dspine"]}
+    try:
+        report = build_report(args.model, args.max_new_tokens, args.repeats, args.prompts_per_domain, drafters,
+                              (args.dtypes or "float32").split(","), data_dir=args.data,
+                              torch_threads=args.torch_threads)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")
+    paths = write_report(report, args.out or Path("experiments/results/report.json"))
+    print(report_markdown(report))
+    print("wrote " + ", ".join(map(str, paths)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dspine_jax.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default=None, help="comma-separated (default float32,bfloat16; --report: float32)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: 3 built-in prompts)")
     parser.add_argument("--draft", help="drafter checkpoint (or init:dspine) for a speculative column")
-    parser.add_argument("--out", type=Path, default=Path("experiments/results/bench_ar.json"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default experiments/results/bench_ar.json; --report: .../report.json)")
+    report = parser.add_argument_group("--report: five systems on held-out prompts per domain")
+    report.add_argument("--report", action="store_true")
+    report.add_argument("--prompts-per-domain", type=int, default=2, help="first K held-out prompts per domain")
+    report.add_argument("--dflash", help=f"DFlash drafter (default {DEFAULT_DRAFTERS['ours+dflash']})")
+    report.add_argument("--dspine", help=f"DSpine drafter (default {DEFAULT_DRAFTERS['ours+dspine']})")
+    report.add_argument("--data", type=Path, help="drafter data dir with prompts*.json (default: the cache's)")
+    report.add_argument("--torch-threads", type=int,
+                        help="torch intra-op threads for the HF systems (default: torch's)")
     args = parser.parse_args(argv)
+    if args.report:
+        return report_main(args, parser)
     prompts = DEFAULT_PROMPTS
     if args.prompts:
         prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
         if not prompts:
             parser.exit(2, f"error: {args.prompts} has no prompts\n")
-    report = run(args.model, args.dtypes.split(","), args.max_new_tokens, args.repeats, prompts, args.draft)
-    print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    result = run(args.model, (args.dtypes or "float32,bfloat16").split(","), args.max_new_tokens, args.repeats,
+                 prompts, args.draft)
+    print_table(result)
+    out = args.out or Path("experiments/results/bench_ar.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

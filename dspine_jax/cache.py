@@ -20,6 +20,15 @@ from flax import struct
 from jax import Array
 
 from dspine_jax.config import HybridConfig, TargetConfig
+from dspine_jax.mesh import constrain
+
+# Logical layouts (dspine_jax/mesh.py): rows over ``data``, KV / value heads over ``model``.
+KV_AXES = ("batch", "kv_heads", None, None)  # [B, K, S, D]
+LENGTHS_AXES = ("batch",)
+
+
+def sharded_zeros(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> Array:
+    return constrain(jnp.zeros(shape, dtype), axes)
 
 
 @struct.dataclass
@@ -46,9 +55,9 @@ class KVCache:
 def init_kv_cache(config: TargetConfig, batch: int, capacity: int, dtype: jnp.dtype) -> KVCache:
     shape = (batch, config.num_kv_heads, capacity, config.head_dim)
     return KVCache(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-        lengths=jnp.zeros((batch,), jnp.int32),
+        k=tuple(sharded_zeros(shape, dtype, KV_AXES) for _ in range(config.num_layers)),
+        v=tuple(sharded_zeros(shape, dtype, KV_AXES) for _ in range(config.num_layers)),
+        lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES),
     )
 
 
@@ -92,9 +101,9 @@ def init_hybrid_cache(config: HybridConfig, batch: int, capacity: int, dtype: jn
     state_shape = (batch, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
     la, lg = len(config.attention_layers), len(config.gdn_layers)
     return HybridCache(
-        k=tuple(jnp.zeros(kv_shape, dtype) for _ in range(la)),
-        v=tuple(jnp.zeros(kv_shape, dtype) for _ in range(la)),
-        conv=tuple(jnp.zeros(conv_shape, jnp.float32) for _ in range(lg)),
-        state=tuple(jnp.zeros(state_shape, jnp.float32) for _ in range(lg)),
-        lengths=jnp.zeros((batch,), jnp.int32),
+        k=tuple(sharded_zeros(kv_shape, dtype, KV_AXES) for _ in range(la)),
+        v=tuple(sharded_zeros(kv_shape, dtype, KV_AXES) for _ in range(la)),
+        conv=tuple(sharded_zeros(conv_shape, jnp.float32, ("batch", None, None)) for _ in range(lg)),
+        state=tuple(sharded_zeros(state_shape, jnp.float32, ("batch", "heads", None, None)) for _ in range(lg)),
+        lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES),
     )

@@ -53,6 +53,7 @@ F, V, L layers, C candidates, R transfer rank, M message width; P = T - 1 propos
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -60,8 +61,10 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
+from dspine_jax.cache import KV_AXES, LENGTHS_AXES, sharded_zeros
 from dspine_jax.drafter_config import DrafterConfig
 from dspine_jax.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from dspine_jax.mesh import per_device
 from dspine_jax.target import Target, lm_logits
 from kernels.pallas import dispatch
 from kernels.pallas import draft_attention as _attention_kernel
@@ -174,8 +177,8 @@ def init_draft_cache(drafter: Drafter, batch: int, capacity: int) -> DraftCache:
     if all(w > 0 for w in config.layer_windows):
         slots = min(capacity, max(max(config.layer_windows) - 1, 1))
     shape = (batch, config.num_kv_heads, slots, config.head_dim)
-    zeros = tuple(jnp.zeros(shape, drafter.dtype) for _ in range(config.num_layers))
-    return DraftCache(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+    zeros = tuple(sharded_zeros(shape, drafter.dtype, KV_AXES) for _ in range(config.num_layers))
+    return DraftCache(k=zeros, v=zeros, lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES))
 
 
 def context_slot_positions(cache: DraftCache) -> Array:
@@ -305,10 +308,13 @@ def transition_table(drafter: Drafter, target: Target, pre: Array, cand_ids: Arr
         weights = _transition_kernel.LWRWeights(
             inj.predecessor_gate, inj.message, inj.bias, inj.writes[last], drafter.params.norm
         )
-        return _transition_kernel.transition_scores_pallas(
-            pre, receiver_logit, _code(drafter, predecessors), _head_rows(target, cand_ids), weights,
-            drafter.config.rms_norm_eps, backend=backend,
-        )  # fmt: skip
+        kernel = functools.partial(
+            _transition_kernel.transition_scores_pallas, eps=drafter.config.rms_norm_eps, backend=backend
+        )
+        # A Pallas kernel is a per-device program: under a mesh each device scores its own rows.
+        rows = ("batch", None, None)
+        kernel = per_device(kernel, [rows, rows, rows + (None,), rows + (None,), None], rows + (None,))
+        return kernel(pre, receiver_logit, _code(drafter, predecessors), _head_rows(target, cand_ids), weights)
     written = _write(
         inj, last, pre[:, :, None, :], receiver_logit[:, :, None, :], _code(drafter, predecessors)
     )  # [B, P, C, H]
@@ -347,10 +353,14 @@ def _layer(drafter: Drafter, layer: int, x: Array, cache: DraftCache, cos: Array
             window=config.layer_windows[layer], causal=config.layer_causal[layer],
         )  # fmt: skip
     else:
-        attn = _attention_kernel.draft_attention_pallas(
-            q, cache.k[layer], cache.v[layer], k, v, cache.lengths,
+        kernel = functools.partial(
+            _attention_kernel.draft_attention_pallas,
             window=config.layer_windows[layer], causal=config.layer_causal[layer], backend=backend,
         )  # fmt: skip
+        # Under a mesh each device attends its own rows and heads (query heads split with their KV heads).
+        heads, kv_heads, ctx = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", "kv_heads", None, None)
+        kernel = per_device(kernel, [heads, ctx, ctx, kv_heads, kv_heads, ("batch",)], heads)
+        attn = kernel(q, cache.k[layer], cache.v[layer], k, v, cache.lengths)
     x = x + attn.reshape(b, t, n * d) @ lp.o
     return x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
 

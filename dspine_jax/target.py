@@ -47,6 +47,11 @@ class DenseLayer:
     gate_up_bias: Array | None = None  # [2F] (llama mlp_bias)
     down_bias: Array | None = None  # [H]
     window: int = struct.field(pytree_node=False, default=0)  # 0 = full attention, else sliding window
+    # Tensor parallelism splits the fused columns into ``groups`` equal slices, one per device, so the
+    # columns are stored group-major: qkv as G × [q | k | v] of N/G, K/G, K/G heads, gate_up as
+    # G × [gate | up] of F/G. G = 1 is the plain HF concatenation (see ``regroup``).
+    qkv_groups: int = struct.field(pytree_node=False, default=1)
+    mlp_groups: int = struct.field(pytree_node=False, default=1)
 
 
 @struct.dataclass
@@ -201,9 +206,11 @@ def _attention_layer(
     qkv = x @ lp.qkv
     if lp.qkv_bias is not None:
         qkv = qkv + lp.qkv_bias
-    q = qkv[..., : n * d].reshape(b, t, n, d)
-    k = qkv[..., n * d : (n + kh) * d].reshape(b, t, kh, d)
-    v = qkv[..., (n + kh) * d :].reshape(b, t, kh, d)
+    g = lp.qkv_groups
+    qkv = qkv.reshape(b, t, g, (n + 2 * kh) // g, d)  # per group: [q heads | k heads | v heads]
+    q = qkv[:, :, :, : n // g].reshape(b, t, n, d)
+    k = qkv[:, :, :, n // g : (n + kh) // g].reshape(b, t, kh, d)
+    v = qkv[:, :, :, (n + kh) // g :].reshape(b, t, kh, d)
     if lp.q_norm is not None:
         q = rms_norm(q, lp.q_norm, config.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, config.rms_norm_eps)
@@ -223,11 +230,45 @@ def _attention_layer(
     return out, cache_k, cache_v
 
 
+def regroup(lp: DenseLayer, config: TargetConfig, qkv_groups: int, mlp_groups: int) -> DenseLayer:
+    """Re-store a layer's fused columns in ``qkv_groups`` / ``mlp_groups`` device groups (see ``DenseLayer``);
+    the forward reads either layout, so this only changes which columns sit together."""
+    n, kh, d = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def qkv_cols(w: Array, g_old: int, g_new: int) -> Array:  # [..., (N+2K)·D] between group layouts
+        lead = w.shape[:-1]
+        q, k, v = jnp.split(w.reshape(*lead, g_old, (n + 2 * kh) // g_old * d), [n // g_old * d, (n + kh) // g_old * d], -1)
+        q, k, v = (part.reshape(*lead, g_new, -1) for part in (q, k, v))  # heads stay in order across groups
+        return jnp.concatenate([q, k, v], axis=-1).reshape(*lead, -1)
+
+    def mlp_cols(w: Array, g_old: int, g_new: int) -> Array:  # [..., 2F]
+        lead = w.shape[:-1]
+        halves = w.reshape(*lead, g_old, 2, -1)
+        gate, up = (halves[..., i, :].reshape(*lead, g_new, -1) for i in (0, 1))
+        return jnp.stack([gate, up], axis=-2).reshape(*lead, -1)
+
+    if n % qkv_groups or kh % qkv_groups:
+        raise ValueError(f"{n} query / {kh} KV heads do not split into {qkv_groups} groups")
+    if config.intermediate_size % mlp_groups:
+        raise ValueError(f"MLP width {config.intermediate_size} does not split into {mlp_groups} groups")
+    gq, gm = lp.qkv_groups, lp.mlp_groups
+    return lp.replace(
+        qkv=qkv_cols(lp.qkv, gq, qkv_groups),
+        qkv_bias=None if lp.qkv_bias is None else qkv_cols(lp.qkv_bias, gq, qkv_groups),
+        gate_up=mlp_cols(lp.gate_up, gm, mlp_groups),
+        gate_up_bias=None if lp.gate_up_bias is None else mlp_cols(lp.gate_up_bias, gm, mlp_groups),
+        qkv_groups=qkv_groups,
+        mlp_groups=mlp_groups,
+    )
+
+
 def _mlp(lp: DenseLayer, x: Array) -> Array:
     gate_up = x @ lp.gate_up
     if lp.gate_up_bias is not None:
         gate_up = gate_up + lp.gate_up_bias
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+    lead, g = gate_up.shape[:-1], lp.mlp_groups
+    gate_up = gate_up.reshape(*lead, g, 2, -1)  # per group: [gate | up]
+    gate, up = gate_up[..., 0, :].reshape(*lead, -1), gate_up[..., 1, :].reshape(*lead, -1)
     out = (jax.nn.silu(gate) * up) @ lp.down
     return out if lp.down_bias is None else out + lp.down_bias
 

@@ -6,6 +6,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax
+
+# Multi-device tests (test_sharding.py) run on 8 host-platform devices; everything else uses device 0.
+jax.config.update("jax_num_cpu_devices", 8)
+
 from pathlib import Path
 
 import pytest

@@ -73,6 +73,23 @@ def test_speculative_engine_random_drafter_equals_generate(llama):
     assert got == ref
 
 
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (conftest sets 8 CPU devices)")
+def test_sharded_engine_equals_generate(llama):
+    """``serve --tp 2 --dp 2``: the engine on a 2×2 mesh (slots split over data, heads over model)."""
+    from dspine_jax.mesh import make_mesh
+
+    ref, _ = reference(llama, [])
+    drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
+    mesh = make_mesh(tp=2, dp=2)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        EngineCore(llama, drafter, num_slots=3, context_length=64, mesh=mesh)
+    core = EngineCore(llama, drafter, num_slots=4, context_length=64, stop_ids=[], mesh=mesh)
+    assert core.row_buckets == [2, 4]
+    assert core.cache.k[0].sharding.spec[0] == "data"
+    got, _, _ = run_engine(core, PROMPTS, BUDGETS)
+    assert got == ref
+
+
 def test_speculative_engine_oracle_multi_token(llama, monkeypatch):
     """An oracle drafter (the reference continuation, wrong at a slot that varies with position) makes
     rounds commit 1…T tokens; output, stops mid-block and budget cuts must still equal ``generate``."""

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--block-size", type=int, default=None, help="verify length (anchor + proposals); default: the drafter's block")
     p.add_argument("--sps-table", default=None, help="verify length per running-batch size (python -m dspine_jax.tune)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: heads and MLP split over this many devices")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree: slots split over this many device groups")
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding (one token per step)")
     p.add_argument("--reasoning-parser", choices=["qwen3"], default=None)
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None)
@@ -57,6 +59,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from dspine_jax.generate import enable_compilation_cache
+    from dspine_jax.mesh import make_mesh
     from dspine_jax.serve.engine import EngineCore, SlotParams, prompt_bucket
     from dspine_jax.serve.server import ServerConfig, build_app
     from dspine_jax.speculative import load_draft, load_sps_table
@@ -89,8 +92,11 @@ def main(argv=None) -> None:
     context = args.context_length or min(target.config.max_position_embeddings, 2048)
     sps = load_sps_table(args.sps_table) if args.sps_table and drafter is not None else None
     try:
+        mesh = make_mesh(tp=args.tp, dp=args.dp) if args.tp * args.dp > 1 else None
+        if mesh is not None:
+            log(f"mesh: data={args.dp} x model={args.tp} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
         core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
-                          verify_len=args.block_size, sps_table=sps)
+                          verify_len=args.block_size, sps_table=sps, mesh=mesh)
     except ValueError as e:
         sys.exit(f"error: {e}")
     mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}" if drafter else "autoregressive"

@@ -42,10 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+from jax.sharding import Mesh
 
 from dspine_jax import drafter as dr
 from dspine_jax import target as tgt
 from dspine_jax.drafter import Drafter, DraftOutput
+from dspine_jax.mesh import DATA, use_mesh
+from dspine_jax.sharding import shard_drafter, shard_target
 from dspine_jax.speculative import accept_greedy
 
 MIN_PROMPT_BUCKET = 32
@@ -329,9 +332,18 @@ class EngineCore:
     def __init__(
         self, target: tgt.Target, drafter: Drafter | None, *, num_slots: int, context_length: int,
         verify_len: int | None = None, sps_table: dict[int, int] | None = None, stop_ids: Sequence[int] | None = None,
-        bucket_rows: bool = True,
+        bucket_rows: bool = True, mesh: Mesh | None = None,
     ):
+        """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/mesh.py); the
+        target and drafter are laid out on it here, and slots are split over ``data``."""
         config = target.config
+        dp = mesh.shape[DATA] if mesh is not None else 1
+        if num_slots % dp:
+            raise ValueError(f"{num_slots} slots do not split over {dp} data-parallel groups; use a multiple of {dp}")
+        if mesh is not None:
+            target = shard_target(target, mesh)
+            drafter = shard_drafter(drafter, mesh) if drafter is not None else None
+        self.mesh = mesh
         if context_length < 2 or context_length > config.max_position_embeddings:
             raise ValueError(
                 f"context length {context_length} must be in [2, {config.max_position_embeddings}] (the model's positions)"
@@ -347,12 +359,7 @@ class EngineCore:
             else:
                 self.verify_lengths = {1: max(2, min(verify_len or block, block))}
         self.max_verify = max(self.verify_lengths.values())
-        capacity = context_length + self.max_verify
-        self.cache = tgt.init_cache(target, num_slots, capacity)
-        self.dstate = dr.init_draft_cache(drafter, num_slots, capacity) if drafter is not None else None
-        # Distinct buffers per leaf (init_draft_cache shares one zeros array between k and v): donation
-        # needs every leaf to own its buffer.
-        self.cache, self.dstate = jax.tree.map(lambda x: jnp.array(x, copy=True), (self.cache, self.dstate))
+        self._init_caches()
         stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
         stops += [-1] * (-(-max(len(stops), 1) // 8) * 8 - len(stops))
         self.stop_ids = jnp.asarray(stops, jnp.int32)
@@ -367,16 +374,23 @@ class EngineCore:
         self.top_k = np.zeros(s, np.int32)
         self.occupied = np.zeros(s, bool)
         self._seed_counter = 0
-        # Step variants by rows covered: 1, 2, 4, … and S (``bucket_rows=False``: always S).
-        buckets = [1 << i for i in range(s.bit_length()) if (1 << i) < s] if bucket_rows else []
+        # Step variants by rows covered: 1, 2, 4, … and S (``bucket_rows=False``: always S); under data
+        # parallelism only multiples of the data groups, so every device keeps its own rows.
+        buckets = [1 << i for i in range(s.bit_length()) if (1 << i) < s and (1 << i) % dp == 0] if bucket_rows else []
         self.row_buckets = buckets + [s]
+
+    def _init_caches(self) -> None:
+        s, capacity = self.num_slots, self.context_length + self.max_verify
+        with use_mesh(self.mesh):
+            cache = tgt.init_cache(self.target, s, capacity)
+            dstate = dr.init_draft_cache(self.drafter, s, capacity) if self.drafter is not None else None
+            # Distinct buffers per leaf (init_draft_cache shares one zeros array between k and v): donation
+            # needs every leaf to own its buffer.
+            self.cache, self.dstate = jax.tree.map(lambda x: jnp.array(x, copy=True), (cache, dstate))
 
     def reset(self) -> None:
         """Drop every slot and rebuild the caches (after a failed step, whose donated buffers are gone)."""
-        s, capacity = self.num_slots, self.context_length + self.max_verify
-        cache = tgt.init_cache(self.target, s, capacity)
-        dstate = dr.init_draft_cache(self.drafter, s, capacity) if self.drafter is not None else None
-        self.cache, self.dstate = jax.tree.map(lambda x: jnp.array(x, copy=True), (cache, dstate))
+        self._init_caches()
         self.running[:] = False
         self.occupied[:] = False
         self.remaining[:] = 0
@@ -414,11 +428,12 @@ class EngineCore:
         tokens[0, :n] = prompt
         key = self._key(params.seed)
         k_prefill, k_loop = jax.random.split(jax.random.wrap_key_data(key))
-        self.cache, self.dstate, first = prefill_slot(
-            self.target, self.drafter, self.cache, self.dstate, jnp.asarray(tokens), jnp.int32(n), jnp.int32(slot),
-            jax.random.key_data(k_prefill), jnp.float32(params.temperature), jnp.float32(params.top_p),
-            jnp.int32(params.top_k),
-        )
+        with use_mesh(self.mesh):
+            self.cache, self.dstate, first = prefill_slot(
+                self.target, self.drafter, self.cache, self.dstate, jnp.asarray(tokens), jnp.int32(n), jnp.int32(slot),
+                jax.random.key_data(k_prefill), jnp.float32(params.temperature), jnp.float32(params.top_p),
+                jnp.int32(params.top_k),
+            )
         first = int(first)
         self.occupied[slot] = True
         self.anchor[slot] = first
@@ -437,7 +452,8 @@ class EngineCore:
         self.occupied[slot] = False
         self.remaining[slot] = 0
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = 0.0, 1.0, 0
-        self.cache, self.dstate = reset_slot(self.cache, self.dstate, jnp.int32(slot))
+        with use_mesh(self.mesh):
+            self.cache, self.dstate = reset_slot(self.cache, self.dstate, jnp.int32(slot))
 
     def step(self) -> StepResult:
         active = self.running.copy()
@@ -446,11 +462,12 @@ class EngineCore:
             return StepResult({}, {}, [], 0)
         t = self.verify_len_for(n)
         r = self.rows_for(int(np.flatnonzero(active)[-1]) + 1)
-        self.cache, self.dstate, emitted, n_keep, _, hit_stop, key_next = step(
-            self.target, self.drafter, self.cache, self.dstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
-            jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
-            jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, verify_len=t, rows=r,
-        )
+        with use_mesh(self.mesh):
+            self.cache, self.dstate, emitted, n_keep, _, hit_stop, key_next = step(
+                self.target, self.drafter, self.cache, self.dstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
+                jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
+                jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, verify_len=t, rows=r,
+            )
         emitted, n_keep, hit_stop, key_next = jax.device_get((emitted, n_keep, hit_stop, key_next))
         self.key_data[:r] = np.asarray(key_next, np.uint32)
         tokens, finished, accepted = {}, {}, []

@@ -1,0 +1,123 @@
+"""Place a target and a drafter on a ``data`` × ``model`` mesh (tensor + data parallel decoding).
+
+    mesh = make_mesh(tp=4, dp=2)                     # dspine_jax/mesh.py
+    target, drafter = shard_target(target, mesh), shard_drafter(drafter, mesh)
+    with use_mesh(mesh):
+        result = speculative_generate(target, drafter, prompts, 64)
+
+Weights get ``NamedSharding``s from their logical axes (``mesh.RULES``): Megatron-style, every
+projection *into* heads / MLP width is split by columns (heads, KV heads, MLP width on ``model``) and
+every projection back to the residual stream by rows, so each layer needs one all-reduce, which XLA
+inserts. The LM head is split over the vocabulary. Norms, embeddings, the drafter's fc and DSpine
+injection (all small) are replicated. Caches are created under ``use_mesh`` already laid out (batch on
+``data``, KV heads on ``model``; dspine_jax/cache.py). A dimension that does not divide evenly by its
+mesh axis stays replicated, so any model runs on any mesh; ``describe`` shows what was split.
+
+Known limitation: a Gated-DeltaNet layer's fused q|k|v conv projection (and its conv taps) is replicated;
+its value heads (z, β, decay, output, recurrent state) are split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dspine_jax import gdn, hybrid
+from dspine_jax.config import HybridConfig
+from dspine_jax.drafter import Drafter, DrafterLayer
+from dspine_jax.mesh import MODEL, Axes, logical_spec
+from dspine_jax.target import DenseLayer, Target, regroup
+
+COLUMNS_HEADS, ROWS_HEADS = (None, "heads"), ("heads", None)
+COLUMNS_KV = (None, "kv_heads")
+COLUMNS_MLP, ROWS_MLP = (None, "mlp"), ("mlp", None)
+
+
+def _place(node: Any, mesh: Mesh, **axes: Axes | None) -> Any:
+    """``node`` (a params dataclass) with each array field put on ``mesh`` by its logical axes (fields not
+    named, or named with None, are replicated). Nested dataclasses are left alone."""
+    mesh_shape = dict(mesh.shape)
+    updates = {}
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        if not isinstance(value, jax.Array):
+            continue
+        field_axes = axes.get(field.name) or (None,) * value.ndim
+        updates[field.name] = jax.device_put(value, NamedSharding(mesh, logical_spec(value.shape, field_axes, mesh_shape)))
+    return node.replace(**updates)
+
+
+def _replicate(tree: Any, mesh: Mesh) -> Any:
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def _splits(count: int, mesh: Mesh) -> bool:
+    """Whether ``count`` heads split evenly over the model axis (a layer's heads are split all or none)."""
+    return count % mesh.shape[MODEL] == 0
+
+
+def _dense_layer(lp: DenseLayer, target: Target, mesh: Mesh) -> DenseLayer:
+    c, tp = target.config, mesh.shape[MODEL]
+    attn = tp > 1 and _splits(c.num_heads, mesh) and _splits(c.num_kv_heads, mesh)
+    mlp = tp > 1 and c.intermediate_size % tp == 0
+    lp = regroup(lp, c, tp if attn else 1, tp if mlp else 1)  # one device group per model shard
+    heads = attn or None
+    return _place(
+        lp, mesh,
+        qkv=heads and COLUMNS_HEADS, qkv_bias=heads and ("heads",), o=heads and ROWS_HEADS,
+        gate_up=COLUMNS_MLP if mlp else None, gate_up_bias=("mlp",) if mlp else None, down=ROWS_MLP if mlp else None,
+    )  # fmt: skip
+
+
+def _hybrid_layer(lp: hybrid.HybridLayer, config: HybridConfig, mesh: Mesh) -> hybrid.HybridLayer:
+    mixer = lp.mixer
+    if isinstance(mixer, gdn.GdnParams):
+        heads = _splits(config.linear_num_value_heads, mesh) or None
+        mixer = _place(
+            mixer, mesh, z=heads and COLUMNS_HEADS, b=heads and COLUMNS_HEADS, a=heads and COLUMNS_HEADS,
+            dt_bias=heads and ("heads",), a_log=heads and ("heads",), out=heads and ROWS_HEADS,
+        )  # fmt: skip
+    else:
+        heads = (_splits(config.num_heads, mesh) and _splits(config.num_kv_heads, mesh)) or None
+        mixer = _place(mixer, mesh, q=heads and COLUMNS_HEADS, k=heads and COLUMNS_KV, v=heads and COLUMNS_KV,
+                       o=heads and ROWS_HEADS)  # fmt: skip
+    return _place(lp.replace(mixer=mixer), mesh, gate=COLUMNS_MLP, up=COLUMNS_MLP, down=ROWS_MLP)
+
+
+def shard_target(target: Target, mesh: Mesh) -> Target:
+    """``target`` with its weights laid out on ``mesh`` (dense fused columns regrouped per model shard)."""
+    params = target.params
+    if isinstance(target.config, HybridConfig):
+        layers = tuple(_hybrid_layer(lp, target.config, mesh) for lp in params.layers)
+    else:
+        layers = tuple(_dense_layer(lp, target, mesh) for lp in params.layers)
+    params = _place(params.replace(layers=layers), mesh, lm_head=(None, "vocab"))
+    return target.replace(params=params)
+
+
+def _drafter_layer(lp: DrafterLayer, drafter: Drafter, mesh: Mesh) -> DrafterLayer:
+    c = drafter.config
+    heads = (_splits(c.num_heads, mesh) and _splits(c.num_kv_heads, mesh)) or None
+    return _place(
+        lp, mesh, q=heads and COLUMNS_HEADS, k=heads and COLUMNS_KV, v=heads and COLUMNS_KV, o=heads and ROWS_HEADS,
+        gate=COLUMNS_MLP, up=COLUMNS_MLP, down=ROWS_MLP,
+    )  # fmt: skip
+
+
+def shard_drafter(drafter: Drafter, mesh: Mesh) -> Drafter:
+    """``drafter`` with its layers split like the target's; fc, norms and the DSpine injection replicated."""
+    params = drafter.params
+    layers = tuple(_drafter_layer(lp, drafter, mesh) for lp in params.layers)
+    rest = _replicate(params.replace(layers=()), mesh)
+    return drafter.replace(params=rest.replace(layers=layers))
+
+
+def describe(tree: Any) -> dict[str, str]:
+    """``{leaf path: partition spec}`` of every array in ``tree`` (what ``shard_*`` actually split)."""
+    return {
+        jax.tree_util.keystr(path): str(leaf.sharding.spec) if isinstance(leaf.sharding, NamedSharding) else "single device"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
