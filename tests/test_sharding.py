@@ -157,3 +157,20 @@ def test_mesh_errors():
         make_mesh(tp=8, dp=2)
     with pytest.raises(ValueError, match=">= 1"):
         make_mesh(tp=0)
+
+
+def test_uneven_heads_fall_back_to_replicated_attention(tiny_models):
+    """conftest's Llama has 4 query / 2 KV heads: on a 4-way model axis attention stays whole (KV heads
+    cannot split 4 ways) while the MLP still splits, and decoding is unchanged."""
+    target = load_target(tiny_models["llama"][0])
+    drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
+    mesh = make_mesh(tp=4)
+    st, sd = shard_target(target, mesh), shard_drafter(drafter, mesh)
+    layer = st.params.layers[0]
+    assert _axes(layer.qkv) == (None, None) and layer.qkv_groups == 1
+    assert _axes(layer.gate_up) == (None, "model") and layer.mlp_groups == 4
+    assert _axes(sd.params.layers[0].q) == (None, None)  # drafter: 4 query / 2 KV heads as well
+    reference = spec.speculative_generate(target, drafter, PROMPTS, MAX_NEW, stop_ids=[])
+    with use_mesh(mesh):
+        result = spec.speculative_generate(st, sd, PROMPTS, MAX_NEW, stop_ids=[])
+    assert result.token_ids == reference.token_ids
