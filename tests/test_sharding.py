@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from conftest import make_tiny_hf_model
 from test_hybrid import make_tiny_hybrid
