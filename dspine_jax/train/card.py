@@ -115,7 +115,7 @@ It shares the target's embedding and LM head (not stored here).
 
 Reproduce: `python -m dspine_jax.train --target smollm2-135m-instruct --kind {kind} --data DATA --out RUN
 --steps {args['steps']} --batch-size {args['batch_size']} --anchors {args['anchors']} --lr {args['lr']} --max-len {args['max_len']}
---intermediate-size {args['intermediate_size']} --transfer-rank {args['transfer_rank']} --message-size {args['message_size']}{f" --alignment-warmup-steps {args['alignment_warmup_steps']}" if args.get('alignment_warmup_steps') else ''} --export-dtype bfloat16`
+--intermediate-size {args['intermediate_size']} --transfer-rank {args['transfer_rank']} --message-size {args['message_size']}{f" --alignment-warmup-steps {args['alignment_warmup_steps']}" if args.get('alignment_warmup_steps') else ''} --export-dtype bfloat16{f" --stop-at {steps}" if steps < args['steps'] else ''}`
 (`--resume` continues a run exactly from its last orbax checkpoint).
 
 ## Acceptance length τ (held-out prompts, tokens per verify step incl. bonus)
