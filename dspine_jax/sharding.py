@@ -36,22 +36,28 @@ COLUMNS_KV = (None, "kv_heads")
 COLUMNS_MLP, ROWS_MLP = (None, "mlp"), ("mlp", None)
 
 
-def _place(node: Any, mesh: Mesh, **axes: Axes | None) -> Any:
+def _place(node: Any, mesh: Mesh, **axes: Axes) -> Any:
     """``node`` (a params dataclass) with each array field put on ``mesh`` by its logical axes (fields not
-    named, or named with None, are replicated). Nested dataclasses are left alone."""
+    named are replicated). Nested dataclasses are left alone."""
     mesh_shape = dict(mesh.shape)
     updates = {}
     for field in dataclasses.fields(node):
         value = getattr(node, field.name)
         if not isinstance(value, jax.Array):
             continue
-        field_axes = axes.get(field.name) or (None,) * value.ndim
+        field_axes = axes.get(field.name, (None,) * value.ndim)
         updates[field.name] = jax.device_put(value, NamedSharding(mesh, logical_spec(value.shape, field_axes, mesh_shape)))
     return node.replace(**updates)
 
 
 def _replicate(tree: Any, mesh: Mesh) -> Any:
     return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def _when(split: bool, **axes: Axes) -> dict[str, Axes]:
+    """``axes`` if this group of weights is split, else nothing (replicated): a layer's heads are split
+    all together or not at all."""
+    return axes if split else {}
 
 
 def _splits(count: int, mesh: Mesh) -> bool:
@@ -64,26 +70,23 @@ def _dense_layer(lp: DenseLayer, target: Target, mesh: Mesh) -> DenseLayer:
     attn = tp > 1 and _splits(c.num_heads, mesh) and _splits(c.num_kv_heads, mesh)
     mlp = tp > 1 and c.intermediate_size % tp == 0
     lp = regroup(lp, c, tp if attn else 1, tp if mlp else 1)  # one device group per model shard
-    heads = attn or None
     return _place(
         lp, mesh,
-        qkv=heads and COLUMNS_HEADS, qkv_bias=heads and ("heads",), o=heads and ROWS_HEADS,
-        gate_up=COLUMNS_MLP if mlp else None, gate_up_bias=("mlp",) if mlp else None, down=ROWS_MLP if mlp else None,
+        **_when(attn, qkv=COLUMNS_HEADS, qkv_bias=("heads",), o=ROWS_HEADS),
+        **_when(mlp, gate_up=COLUMNS_MLP, gate_up_bias=("mlp",), down=ROWS_MLP),
     )  # fmt: skip
 
 
 def _hybrid_layer(lp: hybrid.HybridLayer, config: HybridConfig, mesh: Mesh) -> hybrid.HybridLayer:
     mixer = lp.mixer
     if isinstance(mixer, gdn.GdnParams):
-        heads = _splits(config.linear_num_value_heads, mesh) or None
-        mixer = _place(
-            mixer, mesh, z=heads and COLUMNS_HEADS, b=heads and COLUMNS_HEADS, a=heads and COLUMNS_HEADS,
-            dt_bias=heads and ("heads",), a_log=heads and ("heads",), out=heads and ROWS_HEADS,
-        )  # fmt: skip
+        split = _splits(config.linear_num_value_heads, mesh)
+        mixer = _place(mixer, mesh, **_when(
+            split, z=COLUMNS_HEADS, b=COLUMNS_HEADS, a=COLUMNS_HEADS, dt_bias=("heads",), a_log=("heads",), out=ROWS_HEADS
+        ))  # fmt: skip
     else:
-        heads = (_splits(config.num_heads, mesh) and _splits(config.num_kv_heads, mesh)) or None
-        mixer = _place(mixer, mesh, q=heads and COLUMNS_HEADS, k=heads and COLUMNS_KV, v=heads and COLUMNS_KV,
-                       o=heads and ROWS_HEADS)  # fmt: skip
+        split = _splits(config.num_heads, mesh) and _splits(config.num_kv_heads, mesh)
+        mixer = _place(mixer, mesh, **_when(split, q=COLUMNS_HEADS, k=COLUMNS_KV, v=COLUMNS_KV, o=ROWS_HEADS))
     return _place(lp.replace(mixer=mixer), mesh, gate=COLUMNS_MLP, up=COLUMNS_MLP, down=ROWS_MLP)
 
 
@@ -100,9 +103,9 @@ def shard_target(target: Target, mesh: Mesh) -> Target:
 
 def _drafter_layer(lp: DrafterLayer, drafter: Drafter, mesh: Mesh) -> DrafterLayer:
     c = drafter.config
-    heads = (_splits(c.num_heads, mesh) and _splits(c.num_kv_heads, mesh)) or None
+    split = _splits(c.num_heads, mesh) and _splits(c.num_kv_heads, mesh)
     return _place(
-        lp, mesh, q=heads and COLUMNS_HEADS, k=heads and COLUMNS_KV, v=heads and COLUMNS_KV, o=heads and ROWS_HEADS,
+        lp, mesh, **_when(split, q=COLUMNS_HEADS, k=COLUMNS_KV, v=COLUMNS_KV, o=ROWS_HEADS),
         gate=COLUMNS_MLP, up=COLUMNS_MLP, down=ROWS_MLP,
     )  # fmt: skip
 
