@@ -347,6 +347,18 @@ def test_engine_step_failure_fails_in_flight_only(server, monkeypatch):
     assert httpx.get(server["base"] + "/health").status_code == 200
 
 
+def test_cli_rejects_a_mesh_before_loading_the_model():
+    """``--tp/--dp`` are checked before any weights load (the model path here does not even exist)."""
+    from dspine_jax.serve.__main__ import main
+
+    with pytest.raises(SystemExit, match="needs 16 devices"):
+        main(["--model", "/nonexistent/model", "--tp", "16"])
+    with pytest.raises(SystemExit, match="multiple of --dp 2"):
+        main(["--model", "/nonexistent/model", "--dp", "2", "--max-running-requests", "3"])
+    with pytest.raises(SystemExit, match=">= 1"):
+        main(["--model", "/nonexistent/model", "--tp", "0"])
+
+
 def test_cli_entry_point(tmp_path):
     """``python -m dspine_jax.serve`` on a tiny model directory, autoregressive, one slot."""
     import os

@@ -66,6 +66,12 @@ def main(argv=None) -> None:
     from dspine_jax.target import load_target
     from dspine_jax.tokenizer import load_tokenizer
 
+    try:  # before loading anything: a mesh this machine cannot build should fail at once
+        mesh = make_mesh(tp=args.tp, dp=args.dp) if (args.tp, args.dp) != (1, 1) else None
+        if mesh is not None and args.max_running_requests % args.dp:
+            raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of --dp {args.dp}")
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     enable_compilation_cache()
     t0 = time.perf_counter()
     log(f"loading {args.model} ({args.dtype}) on {jax.devices()[0].platform}")
@@ -92,7 +98,6 @@ def main(argv=None) -> None:
     context = args.context_length or min(target.config.max_position_embeddings, 2048)
     sps = load_sps_table(args.sps_table) if args.sps_table and drafter is not None else None
     try:
-        mesh = make_mesh(tp=args.tp, dp=args.dp) if args.tp * args.dp > 1 else None
         if mesh is not None:
             log(f"mesh: data={args.dp} x model={args.tp} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
         core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
