@@ -103,7 +103,7 @@ def init_hybrid_cache(config: HybridConfig, batch: int, capacity: int, dtype: jn
     return HybridCache(
         k=tuple(sharded_zeros(kv_shape, dtype, KV_AXES) for _ in range(la)),
         v=tuple(sharded_zeros(kv_shape, dtype, KV_AXES) for _ in range(la)),
-        conv=tuple(sharded_zeros(conv_shape, jnp.float32, ("batch", None, None)) for _ in range(lg)),
+        conv=tuple(sharded_zeros(conv_shape, jnp.float32, ("batch", "heads", None)) for _ in range(lg)),
         state=tuple(sharded_zeros(state_shape, jnp.float32, ("batch", "heads", None, None)) for _ in range(lg)),
         lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES),
     )

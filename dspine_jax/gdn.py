@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import Array
 
@@ -64,6 +65,9 @@ class GdnParams:
     a_log: Array  # [Nv]
     norm: Array  # [Dv]       gated RMSNorm weight (plain ``w·x``, not zero-centred)
     out: Array  # [Nv*Dv, H]
+    # Tensor parallelism: conv channels stored as ``groups`` × [q | k | v] of Nk/G key heads and Nv/G value
+    # heads, so one model shard holds whole heads (``regroup``). 1 = HF's [q | k | v].
+    groups: int = struct.field(pytree_node=False, default=1)
 
 
 @struct.dataclass
@@ -288,10 +292,11 @@ def gdn_layer(
     g = -jnp.exp(p.a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
 
     pre, full = causal_conv(window, conv_in, p.conv)
-    mixed = jax.nn.silu(pre.astype(dtype))  # [B, T, C]
-    q = mixed[..., :key_dim].reshape(bsz, t, num_k_heads, dk)
-    k = mixed[..., key_dim : 2 * key_dim].reshape(bsz, t, num_k_heads, dk)
-    v = mixed[..., 2 * key_dim :].reshape(bsz, t, nv, dv)
+    mixed = jax.nn.silu(pre.astype(dtype)).reshape(bsz, t, p.groups, -1)  # per group: [q | k | v]
+    group_keys = key_dim // p.groups
+    q = mixed[..., :group_keys].reshape(bsz, t, num_k_heads, dk)
+    k = mixed[..., group_keys : 2 * group_keys].reshape(bsz, t, num_k_heads, dk)
+    v = mixed[..., 2 * group_keys :].reshape(bsz, t, nv, dv)
 
     if t == 1:
         o, new_state = gated_delta_recurrent(q, k, v, g, beta, state)
@@ -304,6 +309,26 @@ def gdn_layer(
     if return_replay:
         saved = GdnReplay(conv=window, state=state, conv_in=conv_in, k=k, v=v, g=g, beta=beta)
     return out, new_window, new_state, saved
+
+
+def channel_order(key_dim: int, value_dim: int, groups: int) -> np.ndarray:
+    """Indices into HF's ``[q | k | v]`` conv channels (q and k ``key_dim`` wide, v ``value_dim``) that
+    give the ``groups`` × [q | k | v] layout."""
+    q, k, v = np.split(np.arange(2 * key_dim + value_dim), [key_dim, 2 * key_dim])
+    return np.concatenate([part for g in range(groups) for part in (
+        np.array_split(q, groups)[g], np.array_split(k, groups)[g], np.array_split(v, groups)[g]
+    )])  # fmt: skip
+
+
+def regroup(p: GdnParams, num_k_heads: int, groups: int) -> GdnParams:
+    """``p`` with its conv channels (in_proj_qkv columns, conv taps) stored in ``groups`` head groups."""
+    nv, dv = p.dt_bias.shape[-1], p.norm.shape[-1]
+    key_dim = (p.qkv.shape[-1] - nv * dv) // 2
+    if num_k_heads % groups or nv % groups:
+        raise ValueError(f"{num_k_heads} key / {nv} value heads do not split into {groups} groups")
+    to_plain = np.argsort(channel_order(key_dim, nv * dv, p.groups))
+    order = to_plain[channel_order(key_dim, nv * dv, groups)]
+    return p.replace(qkv=p.qkv[..., order], conv=p.conv[..., order, :], groups=groups)
 
 
 def replay_layer(saved: GdnReplay, num_tokens: Array, chunk_size: int = DEFAULT_CHUNK) -> tuple[Array, Array]:

@@ -13,8 +13,9 @@ injection (all small) are replicated. Caches are created under ``use_mesh`` alre
 ``data``, KV heads on ``model``; dspine_jax/cache.py). A dimension that does not divide evenly by its
 mesh axis stays replicated, so any model runs on any mesh; ``describe`` shows what was split.
 
-Known limitation: a Gated-DeltaNet layer's fused q|k|v conv projection (and its conv taps) is replicated;
-its value heads (z, β, decay, output, recurrent state) are split.
+Fused projections (a dense layer's q|k|v and gate|up, a Gated-DeltaNet layer's q|k|v conv channels) are
+re-stored group-major first, one group of whole heads per model shard (``target.regroup``,
+``gdn.regroup``), so a shard's columns are its own heads.
 """
 
 from __future__ import annotations
@@ -80,9 +81,12 @@ def _dense_layer(lp: DenseLayer, target: Target, mesh: Mesh) -> DenseLayer:
 def _hybrid_layer(lp: hybrid.HybridLayer, config: HybridConfig, mesh: Mesh) -> hybrid.HybridLayer:
     mixer = lp.mixer
     if isinstance(mixer, gdn.GdnParams):
-        split = _splits(config.linear_num_value_heads, mesh)
+        split = mesh.shape[MODEL] > 1 and _splits(config.linear_num_key_heads, mesh) and _splits(config.linear_num_value_heads, mesh)
+        if split:  # conv channels regrouped so each model shard holds its own q, k and v heads
+            mixer = gdn.regroup(mixer, config.linear_num_key_heads, mesh.shape[MODEL])
         mixer = _place(mixer, mesh, **_when(
-            split, z=COLUMNS_HEADS, b=COLUMNS_HEADS, a=COLUMNS_HEADS, dt_bias=("heads",), a_log=("heads",), out=ROWS_HEADS
+            split, qkv=COLUMNS_HEADS, conv=("heads", None), z=COLUMNS_HEADS, b=COLUMNS_HEADS, a=COLUMNS_HEADS,
+            dt_bias=("heads",), a_log=("heads",), out=ROWS_HEADS,
         ))  # fmt: skip
     else:
         split = _splits(config.num_heads, mesh) and _splits(config.num_kv_heads, mesh)

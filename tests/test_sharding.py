@@ -174,3 +174,28 @@ def test_uneven_heads_fall_back_to_replicated_attention(tiny_models):
     with use_mesh(mesh):
         result = spec.speculative_generate(st, sd, PROMPTS, MAX_NEW, stop_ids=[])
     assert result.token_ids == reference.token_ids
+
+
+def test_gdn_conv_channels_split_by_heads(models):
+    """A hybrid's Gated-DeltaNet q|k|v conv channels are regrouped so each model shard holds its own key
+    and value heads; regrouping there and back is the identity."""
+    from dspine_jax import gdn
+
+    target, *_ = models["hybrid"]
+    c = target.config
+    layer = next(lp.mixer for lp in target.params.layers if isinstance(lp.mixer, gdn.GdnParams))
+    back = gdn.regroup(gdn.regroup(layer, c.linear_num_key_heads, 4), c.linear_num_key_heads, 1)
+    np.testing.assert_array_equal(np.asarray(back.qkv), np.asarray(layer.qkv))
+    np.testing.assert_array_equal(np.asarray(back.conv), np.asarray(layer.conv))
+
+    st = shard_target(target, make_mesh(tp=4, dp=2))
+    sharded = next(lp.mixer for lp in st.params.layers if isinstance(lp.mixer, gdn.GdnParams))
+    assert sharded.groups == 4 and _axes(sharded.qkv) == (None, "model") and _axes(sharded.conv) == ("model", None)
+    key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    shard = sharded.qkv.addressable_shards[0]
+    group = shard.index[1].start // shard.data.shape[1]
+    kq, vq = key_dim // 4, value_dim // 4
+    full = np.asarray(layer.qkv)
+    expected = np.concatenate([full[:, group * kq : (group + 1) * kq], full[:, key_dim + group * kq : key_dim + (group + 1) * kq],
+                               full[:, 2 * key_dim + group * vq : 2 * key_dim + (group + 1) * vq]], axis=1)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(shard.data), expected)
