@@ -113,20 +113,6 @@ def run_hf(model, prompt: list[int], n: int, prompt_lookup: int | None = None) -
     return Run(seconds, tokens, accepted=n, steps=forwards[0]) if prompt_lookup else Run(seconds, tokens)
 
 
-def time_ours(target, prompt: list[int], n: int) -> float:
-    return run_ours(target, prompt, n).seconds
-
-
-def time_speculative(target, drafter, prompt: list[int], n: int) -> tuple[float, float]:
-    """Seconds and mean acceptance τ of one speculative run (same tokens as ``time_ours``, greedy)."""
-    run_ = run_speculative(target, drafter, prompt, n)
-    return run_.seconds, run_.tau
-
-
-def time_hf(model, prompt: list[int], n: int) -> float:
-    return run_hf(model, prompt, n).seconds
-
-
 def load_hf(model_dir: Path, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -148,12 +134,12 @@ def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str],
     for dtype in dtypes:
         ours = load_target(model_dir, dtype=dtype)
         hf = load_hf(model_dir, dtype)
-        systems = {"ours": lambda p: (time_ours(ours, p, n), None), "hf": lambda p: (time_hf(hf, p, n), None)}
+        systems = {"ours": lambda p: run_ours(ours, p, n), "hf": lambda p: run_hf(hf, p, n)}
         if draft:
             from dspine_jax.speculative import load_draft
 
             drafter = load_draft(draft, ours)
-            systems["ours+draft"] = lambda p: time_speculative(ours, drafter, p, n)
+            systems["ours+draft"] = lambda p: run_speculative(ours, drafter, p, n)
         times: dict[str, list[float]] = {name: [] for name in systems}
         taus: dict[str, list[float]] = {name: [] for name in systems}
         for p in prompt_ids:
@@ -161,7 +147,8 @@ def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str],
                 fn(p)  # warm-up
             for _ in range(repeats):
                 for name, fn in systems.items():
-                    seconds, tau = fn(p)
+                    result = fn(p)
+                    seconds, tau = result.seconds, result.tau
                     times[name].append(seconds)
                     if tau is not None:
                         taus[name].append(tau)

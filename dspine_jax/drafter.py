@@ -66,7 +66,6 @@ from dspine_jax.drafter_config import DrafterConfig
 from dspine_jax.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.mesh import per_device
 from dspine_jax.target import Target, lm_logits
-from kernels.pallas import dispatch
 from kernels.pallas import draft_attention as _attention_kernel
 from kernels.pallas import transition_cache as _transition_kernel
 
@@ -257,7 +256,8 @@ def _write(inj: Injection, layer: int, h: Array, receiver_logit: Array, predeces
 
     h ``[..., H]``; receiver_logit = ``receiver_gate(f)`` ``[..., M]`` (precomputed: it depends on the
     receiving slot only, so LWR computes it once per slot instead of once per candidate); predecessor
-    ``[..., R]``. Leading axes broadcast (LWR: h/receiver ``[B,P,1,·]`` against predecessors ``[B,P,C,·]``).
+    ``[..., R]``. Leading axes broadcast. (``transition_table``'s reference path,
+    ``kernels/pallas/transition_cache.py``, runs the same ops for every candidate predecessor.)
     """
     gate = jax.nn.sigmoid(receiver_logit + predecessor @ inj.predecessor_gate + inj.bias)
     delta = (gate * (predecessor @ inj.message)) @ inj.writes[layer]  # [..., H]
@@ -302,24 +302,16 @@ def transition_table(drafter: Drafter, target: Target, pre: Array, cand_ids: Arr
     b, _, c = cand_ids.shape
     predecessors = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)), cand_ids[:, :-1]], axis=1)
     receiver_logit = _feature(pre, inj.readouts[last], drafter.config.transfer_rank) @ inj.receiver_gate  # [B, P, M]
-    backend = dispatch.select(_transition_kernel.KERNEL_NAME)
-    if not backend.is_reference:
-        # Fused LWR + scoring: the [B, P, C, H] refined states stay on chip.
-        weights = _transition_kernel.LWRWeights(
-            inj.predecessor_gate, inj.message, inj.bias, inj.writes[last], drafter.params.norm
-        )
-        kernel = functools.partial(
-            _transition_kernel.transition_scores_pallas, eps=drafter.config.rms_norm_eps, backend=backend
-        )
-        # A Pallas kernel is a per-device program: under a mesh each device scores its own rows.
-        rows = ("batch", None, None)
-        kernel = per_device(kernel, [rows, rows, rows + (None,), rows + (None,), None], rows + (None,))
-        return kernel(pre, receiver_logit, _code(drafter, predecessors), _head_rows(target, cand_ids), weights)
-    written = _write(
-        inj, last, pre[:, :, None, :], receiver_logit[:, :, None, :], _code(drafter, predecessors)
-    )  # [B, P, C, H]
-    refined = rms_norm(written, drafter.params.norm, drafter.config.rms_norm_eps)
-    return jnp.einsum("bpch,bpjh->bpcj", refined, _head_rows(target, cand_ids), preferred_element_type=jnp.float32)
+    weights = _transition_kernel.LWRWeights(inj.predecessor_gate, inj.message, inj.bias, inj.writes[last], drafter.params.norm)
+    # Kernel dispatch (kernels/pallas/dispatch.py, at trace time): the jnp reference (the same ops as
+    # ``refine`` + scoring), or the fused Pallas kernel that keeps the [B, P, C, H] refined states on chip.
+    # Under a mesh each device scores its own rows.
+    rows = ("batch", None, None)
+    scores = per_device(
+        functools.partial(_transition_kernel.transition_scores, eps=drafter.config.rms_norm_eps),
+        [rows, rows, rows + (None,), rows + (None,), None], rows + (None,),
+    )  # fmt: skip
+    return scores(pre, receiver_logit, _code(drafter, predecessors), _head_rows(target, cand_ids), weights)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,23 +336,15 @@ def _layer(drafter: Drafter, layer: int, x: Array, cache: DraftCache, cos: Array
     q = apply_rope(rms_norm((normed @ lp.q).reshape(b, t, n, d), lp.q_norm, eps), cos, sin)
     k = apply_rope(rms_norm((normed @ lp.k).reshape(b, t, kh, d), lp.k_norm, eps), cos, sin)
     v = (normed @ lp.v).reshape(b, t, kh, d)
-    # Kernel dispatch (kernels/pallas/dispatch.py, chosen at trace time): the pure-jnp reference beside the
-    # kernel, or the Pallas kernel with the same semantics (tiles skipped, not masked).
-    backend = dispatch.select(_attention_kernel.KERNEL_NAME)
-    if backend.is_reference:
-        attn = _attention_kernel.draft_attention_reference(
-            q, cache.k[layer], cache.v[layer], k, v, cache.lengths,
-            window=config.layer_windows[layer], causal=config.layer_causal[layer],
-        )  # fmt: skip
-    else:
-        kernel = functools.partial(
-            _attention_kernel.draft_attention_pallas,
-            window=config.layer_windows[layer], causal=config.layer_causal[layer], backend=backend,
-        )  # fmt: skip
-        # Under a mesh each device attends its own rows and heads (query heads split with their KV heads).
-        heads, kv_heads, ctx = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", "kv_heads", None, None)
-        kernel = per_device(kernel, [heads, ctx, ctx, kv_heads, kv_heads, ("batch",)], heads)
-        attn = kernel(q, cache.k[layer], cache.v[layer], k, v, cache.lengths)
+    # Kernel dispatch (kernels/pallas/dispatch.py, at trace time): the jnp reference, or the Pallas kernel with
+    # the same semantics (tiles skipped, not masked). Under a mesh each device attends its own rows and heads
+    # (query heads split together with their KV heads).
+    heads, kv_heads, ctx = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", "kv_heads", None, None)
+    attention = per_device(
+        functools.partial(_attention_kernel.draft_attention, window=config.layer_windows[layer], causal=config.layer_causal[layer]),
+        [heads, ctx, ctx, kv_heads, kv_heads, ("batch",)], heads,
+    )  # fmt: skip
+    attn = attention(q, cache.k[layer], cache.v[layer], k, v, cache.lengths)
     x = x + attn.reshape(b, t, n * d) @ lp.o
     return x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
 

@@ -188,8 +188,13 @@ def generate(
     end = time.perf_counter()
 
     token_ids = [out[i, : counts[i]].tolist() for i in range(len(rows))]
-    reasons = ["stop" if stopped[i] else "length" if counts[i] >= max_new_tokens else "capacity" for i in range(len(rows))]
+    reasons = finish_reasons(counts, stopped, max_new_tokens)
     return GenerationResult(token_ids=token_ids, finish_reasons=reasons, prefill_seconds=mid - start, decode_seconds=end - mid)
+
+
+def finish_reasons(counts: np.ndarray, stopped: np.ndarray, max_new_tokens: int) -> list[str]:
+    """Why each row ended: a stop id (``stop``), the token budget (``length``), or the cache (``capacity``)."""
+    return ["stop" if hit else "length" if n >= max_new_tokens else "capacity" for n, hit in zip(counts, stopped)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from jax import Array
 
 from dspine_jax import target as tgt
 from dspine_jax.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache
-from dspine_jax.generate import GenerationResult, _round_up, plan_request
+from dspine_jax.generate import GenerationResult, _round_up, finish_reasons, plan_request
 from dspine_jax.sampling import sample, sampling_probs
 
 TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
@@ -486,10 +486,9 @@ def speculative_generate(
     end = time.perf_counter()
 
     n = len(rows)
-    reasons = ["stop" if stopped[i] else "length" if counts[i] >= max_new_tokens else "capacity" for i in range(n)]
     return SpeculativeResult(
         token_ids=[out[i, : counts[i]].tolist() for i in range(n)],
-        finish_reasons=reasons,
+        finish_reasons=finish_reasons(counts, stopped, max_new_tokens),
         prefill_seconds=mid - start,
         decode_seconds=end - mid,
         acceptance_lengths=[kept[i, : rounds[i]].tolist() for i in range(n)],

@@ -21,13 +21,16 @@ PROMPTS = [[1, 5, 9, 3], [1, 7, 8, 9, 10, 11, 12], [1, 20], [1, 3, 3, 3, 3, 4], 
 BUDGETS = [20, 9, 1, 20, 9, 20]
 
 
-def run_engine(core: EngineCore, prompts, budgets, params=None):
-    """Drive the core like the server does: admit into free slots between steps, free finished slots."""
+def run_engine(core: EngineCore, prompts, budgets, params=None, on_admit=None):
+    """Drive the core like the server does: admit into free slots between steps, free finished slots.
+    ``on_admit(slot, request)`` is called just before a request is prefilled into its slot."""
     outs, pending, slot_req, reasons, taus = {}, list(range(len(prompts))), {}, {}, []
     while pending or slot_req:
         while pending and core.free_slot() is not None:
             r = pending.pop(0)
             slot = core.free_slot()
+            if on_admit:
+                on_admit(slot, r)
             first, reason = core.add(slot, prompts[r], budgets[r], (params or {}).get(r, SlotParams()))
             outs[r] = [first]
             if reason:
@@ -117,29 +120,9 @@ def test_speculative_engine_oracle_multi_token(llama, monkeypatch):
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=5, top_k=8, seed=3)
     core = EngineCore(llama, drafter, num_slots=3, context_length=64, stop_ids=[stop_token])
 
-    outs, reasons, taus = {}, {}, []
-    pending, slot_req = list(range(len(PROMPTS))), {}
-    while pending or slot_req:
-        while pending and core.free_slot() is not None:
-            r = pending.pop(0)
-            slot = core.free_slot()
-            mapping[slot] = r
-            first, reason = core.add(slot, PROMPTS[r], BUDGETS[r], SlotParams())
-            outs[r] = [first]
-            if reason:
-                reasons[r] = reason
-                core.release(slot)
-            else:
-                slot_req[slot] = r
-        result = core.step()
-        taus += result.accepted
-        for slot, tokens in result.tokens.items():
-            outs[slot_req[slot]] += tokens
-        for slot, reason in result.finished.items():
-            reasons[slot_req.pop(slot)] = reason
-            core.release(slot)
-    assert [outs[i] for i in range(len(PROMPTS))] == ref
-    assert [reasons[i] for i in range(len(PROMPTS))] == ref_reasons
+    got, reasons, taus = run_engine(core, PROMPTS, BUDGETS, on_admit=mapping.__setitem__)
+    assert got == ref
+    assert reasons == ref_reasons
     assert max(taus) == 5 and min(taus) >= 1 and len(set(taus)) >= 3
     eng.step.clear_cache()
 

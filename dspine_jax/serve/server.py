@@ -23,13 +23,23 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dspine_jax.serve.engine import EngineCore, SlotParams
 from dspine_jax.serve.metrics import Metrics
 from dspine_jax.serve.parsers import Qwen3CoderToolParser, ReasoningParser, parse_full
 
+
+
+
+def _sse(obj: dict) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _sse_error(message: str) -> str:
+    return _sse({"error": {"message": message, "type": "server_error"}})
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
@@ -481,6 +491,26 @@ class Server:
     async def metrics_endpoint(self, request: Request):
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def _collect(self, req: GenRequest, request: Request) -> tuple[str, str] | Response:
+        """Non-streaming: the whole generated text and its finish reason, or the response to send instead
+        (an engine error, or 499 when the client went away)."""
+        parts, finish = [], None
+        async for ev in self._events(req, request):
+            if ev[0] == "text":
+                parts.append(ev[1])
+            elif ev[0] == "done":
+                finish = ev[1]
+            else:
+                return APIError(500, ev[1], type_="server_error").response()
+        if finish is None:  # client went away
+            return JSONResponse({}, status_code=499)
+        return "".join(parts), finish
+
+    def _stream_end(self, req: GenRequest, sampling: Sampling, head: dict) -> list[str]:
+        """The events after a stream's last choice: the usage chunk (if asked for) and ``[DONE]``."""
+        usage = [_sse({**head, "choices": [], "usage": self._usage(req)})] if sampling.include_usage else []
+        return usage + ["data: [DONE]\n\n"]
+
     async def completions(self, request: Request):
         try:
             body = await self._json(request)
@@ -502,38 +532,27 @@ class Server:
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
 
         if s.stream:
+            head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+
             async def gen():
                 async for ev in self._events(req, request):
                     if ev[0] == "text":
-                        chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": [{"index": 0, "text": ev[1], "logprobs": None, "finish_reason": None}]}
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield _sse({**head, "choices": [{"index": 0, "text": ev[1], "logprobs": None, "finish_reason": None}]})
                     elif ev[0] == "done":
-                        chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": ev[1]}]}
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                        if s.include_usage:
-                            chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                                     "choices": [], "usage": self._usage(req)}
-                            yield f"data: {json.dumps(chunk)}\n\n"
-                        yield "data: [DONE]\n\n"
+                        yield _sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": ev[1]}]})
+                        for line in self._stream_end(req, s, head):
+                            yield line
                     else:
-                        yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error'}})}\n\n"
+                        yield _sse_error(ev[1])
             return StreamingResponse(self._guard(req, gen()), media_type="text/event-stream")
 
-        parts, finish = [], None
-        async for ev in self._events(req, request):
-            if ev[0] == "text":
-                parts.append(ev[1])
-            elif ev[0] == "done":
-                finish = ev[1]
-            else:
-                return APIError(500, ev[1], type_="server_error").response()
-        if finish is None:  # client went away
-            return JSONResponse({}, status_code=499)
+        collected = await self._collect(req, request)
+        if not isinstance(collected, tuple):
+            return collected
+        text, finish = collected
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": "".join(parts), "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
             "usage": self._usage(req),
         })
 
@@ -577,10 +596,10 @@ class Server:
             tp = Qwen3CoderToolParser(tools) if use_tools else None
             state = {"tool_index": 0}
 
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+
             def chunk(delta: dict, finish=None) -> str:
-                obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-                return f"data: {json.dumps(obj)}\n\n"
+                return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
 
             def pieces(reasoning: str, content: str, calls: list) -> list[str]:
                 out = []
@@ -618,26 +637,16 @@ class Server:
                             yield piece
                         finish = "tool_calls" if state["tool_index"] and ev[1] == "stop" else ev[1]
                         yield chunk({}, finish)
-                        if s.include_usage:
-                            obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                   "choices": [], "usage": self._usage(req)}
-                            yield f"data: {json.dumps(obj)}\n\n"
-                        yield "data: [DONE]\n\n"
+                        for line in self._stream_end(req, s, head):
+                            yield line
                     else:
-                        yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error'}})}\n\n"
+                        yield _sse_error(ev[1])
             return StreamingResponse(self._guard(req, gen()), media_type="text/event-stream")
 
-        parts, finish = [], None
-        async for ev in self._events(req, request):
-            if ev[0] == "text":
-                parts.append(ev[1])
-            elif ev[0] == "done":
-                finish = ev[1]
-            else:
-                return APIError(500, ev[1], type_="server_error").response()
-        if finish is None:
-            return JSONResponse({}, status_code=499)
-        text = "".join(parts)
+        collected = await self._collect(req, request)
+        if not isinstance(collected, tuple):
+            return collected
+        text, finish = collected
         reasoning, content, calls = parse_full(text, use_reasoning, tools if use_tools else None, start_in_reasoning)
         message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
         if reasoning is not None:

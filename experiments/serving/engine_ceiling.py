@@ -28,17 +28,9 @@ from dspine_jax.serve.engine import EngineCore, SlotParams
 from dspine_jax.speculative import load_draft
 from dspine_jax.target import load_target
 from dspine_jax.tokenizer import load_tokenizer
+from load import FALLBACK_PROMPTS  # experiments/serving/load.py (this script's directory is on sys.path)
 
-PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Explain in three sentences why the sky is blue.",
-    "A train travels 120 km in 1.5 hours. What is its average speed? Show your steps.",
-    "Write a Python function that checks whether a string is a palindrome, ignoring case.",
-    "List five tips for writing clear technical documentation.",
-    "Write a Python function that merges two sorted lists into one sorted list.",
-    "If I have 3 apples and buy 5 more, then give away 2, how many do I have? Explain.",
-    "Write a short haiku about autumn leaves.",
-]
+PROMPTS = FALLBACK_PROMPTS  # the HTTP load test's built-in prompts
 
 
 def main() -> None:
