@@ -47,10 +47,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def start_uvicorn(app):
+    """Serve ``app`` on a free local port from a thread → (uvicorn server, its thread, base URL); returns
+    once the socket accepts connections."""
     import uvicorn
 
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    return uv, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
     from dspine_jax.drafter_io import init_drafter
     from dspine_jax.serve.engine import EngineCore
     from dspine_jax.serve.server import ServerConfig, build_app
@@ -62,19 +76,13 @@ def server(tmp_path_factory):
     target = load_target(model_dir)
     tokenizer = load_tokenizer(model_dir)
     drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
-    core = EngineCore(target, drafter, num_slots=SLOTS, context_length=CONTEXT)
+    # Prompt widths 32 and 64 only, so a prompt of a few dozen words is prefilled in chunks.
+    core = EngineCore(target, drafter, num_slots=SLOTS, context_length=CONTEXT, max_prompt_bucket=64)
     core.warmup()
-    app, engine = build_app(core, tokenizer, ServerConfig(model_name="tiny", context_length=CONTEXT), max_queue=32)
+    app, engine = build_app(lambda: (core, tokenizer), ServerConfig(model_name="tiny"), max_queue=32)
     engine.start()
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
+    assert engine.ready.wait(30)
+    uv, thread, base = start_uvicorn(app)
     yield dict(base=base, target=target, tokenizer=tokenizer, engine=engine, core=core,
                client=openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120))
     uv.should_exit = True
@@ -122,6 +130,23 @@ def test_completion_greedy_equals_generate(server):
     assert 1 <= out.usage.completion_tokens <= 24
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_long_prompt_is_chunked_not_compiled(server):
+    """A prompt wider than the widest compiled prefill (64) is prefilled in chunks: greedy output still
+    equals ``generate``'s, and no prefill shape is compiled for it."""
+    from dspine_jax.serve import engine as eng
+
+    client, tok = server["client"], server["tokenizer"]
+    compiled = eng.prefill_slot._cache_size()
+    for words in (150, 97):
+        prompt = " ".join(f"w{7 + (j * 11) % 120}" for j in range(words))
+        ids = tok.encode(prompt)
+        core = server["core"]
+        assert len(ids) > 64 and len(eng.plan_prefill(len(ids), core.prompt_widths, core.capacity)) > 1
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == reference_text(server, ids, 12)
+    assert eng.prefill_slot._cache_size() == compiled
 
 
 def test_chat_and_streaming_match(server):
@@ -231,6 +256,8 @@ def test_disconnect_frees_slot(server):
         ("/v1/chat/completions", {"model": "tiny"}, "messages"),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
         ("/v1/completions", {"model": "tiny", "prompt": "w9 w10", "max_tokens": CONTEXT}, "max_tokens"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w9"}],
+                                  "max_completion_tokens": CONTEXT}, "max_completion_tokens"),
         ("/v1/completions", {"model": "tiny", "prompt": "w9", "temperature": -1}, "temperature"),
         ("/v1/completions", {"model": "tiny", "prompt": "w9", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"model": "tiny", "prompt": "w9", "top_p": 0}, "top_p"),
@@ -248,6 +275,39 @@ def test_bad_input_400(server, path, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+
+
+@pytest.mark.parametrize("max_tokens", [None, 4])
+def test_too_long_prompt_names_the_prompt(server, max_tokens):
+    """A prompt that fills the context is the prompt's fault (param prompt / messages), whatever max_tokens."""
+    words = " ".join(["w9"] * (CONTEXT + 10))
+    extra = {} if max_tokens is None else {"max_tokens": max_tokens}
+    for path, body, param in [
+        ("/v1/completions", {"prompt": words}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}]}, "messages"),
+    ]:
+        r = httpx.post(server["base"] + path, json={"model": "tiny", **body, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, "context_length_exceeded")
+        n = len(server["tokenizer"].encode(words)) if param == "prompt" else None
+        assert f"maximum context length is {CONTEXT} tokens" in err["message"]
+        assert n is None or f"The prompt has {n} tokens" in err["message"]
+
+
+def test_max_tokens_beyond_the_context_names_the_cap(server):
+    ids = server["tokenizer"].encode("w9 w10 w11")
+    cap = CONTEXT - len(ids)
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": "tiny", "prompt": "w9 w10 w11",
+                                                              "max_tokens": 100000})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    assert f"at most {cap} completion tokens" in err["message"] and f"<= {cap}" in err["message"]
+    # The cap itself is accepted.
+    out = server["client"].completions.create(model="tiny", prompt="w9 w10 w11", max_tokens=cap, temperature=0,
+                                              stop=["w5"])
+    assert out.usage.prompt_tokens + out.usage.completion_tokens <= CONTEXT
 
 
 def test_bad_input_via_client_and_raw(server):
@@ -345,6 +405,33 @@ def test_engine_step_failure_fails_in_flight_only(server, monkeypatch):
     out = server["client"].completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0)
     assert out.choices[0].text == reference_text(server, server["tokenizer"].encode(PROMPTS[0]), 24)
     assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_cli_help_shows_defaults():
+    from dspine_jax.serve.__main__ import _HelpFormatter, build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    for default in ("(default: smollm2-135m-instruct)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 256)",
+                    "(default: float32)", "(default: min(model positions, 2048))"):
+        assert default in " ".join(text.split()), default
+    formatter = _HelpFormatter("x")
+    for action in parser._actions:
+        if action.dest != "help":
+            assert "(default: " in formatter._get_help_string(action), action.dest
+
+
+def test_cli_reports_a_bad_model_after_listening(monkeypatch):
+    """Weights load in the background: a bad model path makes the server stop listening and exit 1 with the
+    loader's message (not hang in "starting")."""
+    import importlib
+
+    from dspine_jax.serve.__main__ import main
+
+    generate_module = importlib.import_module("dspine_jax.generate")  # the package re-exports a function by that name
+    monkeypatch.setattr(generate_module, "enable_compilation_cache", lambda: None)  # no global jax config change
+    with pytest.raises(SystemExit, match="could not load model '/nonexistent/model'"):
+        main(["--model", "/nonexistent/model", "--port", str(free_port())])
 
 
 def test_cli_rejects_a_mesh_before_loading_the_model():

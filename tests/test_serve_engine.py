@@ -172,3 +172,43 @@ def test_speculative_engine_hybrid_target(tmp_path):
     core = EngineCore(target, drafter, num_slots=2, context_length=64, stop_ids=[], bucket_rows=False)
     got, _, _ = run_engine(core, prompts, budgets)
     assert got == ref
+
+
+@pytest.mark.parametrize("context,max_bucket,verify", [(40, 256, 1), (64, 32, 4), (1000, 256, 16), (2048, 256, 1),
+                                                         (20, 256, 1), (1100, 300, 8)])
+def test_plan_prefill_covers_every_prompt_with_compiled_widths(context, max_bucket, verify):
+    widths = eng.prompt_widths(context, max_bucket)
+    capacity = eng.cache_capacity(context, verify)
+    assert widths[0] == eng.MIN_PROMPT_BUCKET and all(b == 2 * a for a, b in zip(widths, widths[1:]))
+    assert widths[-1] <= max(max_bucket, eng.MIN_PROMPT_BUCKET) and capacity >= context + verify
+    for n in range(1, context + 1):
+        plan = eng.plan_prefill(n, widths, capacity)
+        assert [o for o, _ in plan] == [0] + list(np.cumsum([w for _, w in plan[:-1]]))  # contiguous chunks
+        assert all(w in widths for _, w in plan) and plan[-1][0] < n <= plan[-1][0] + plan[-1][1] <= capacity
+        assert len(plan) <= -(-n // widths[-1]) + len(widths)  # long prompts: mostly full chunks
+
+
+def test_long_prompts_are_chunked_and_equal_generate(llama):
+    """Prompts wider than the widest prefill (32) run in chunks of compiled widths: output equals ``generate``
+    and nothing new is compiled after warmup."""
+    drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
+    core = EngineCore(llama, drafter, num_slots=2, context_length=120, stop_ids=[], max_prompt_bucket=32)
+    core.warmup()
+    compiled = eng.prefill_slot._cache_size()
+    prompts = [[1] + [(7 * i + 3) % 120 + 3 for i in range(n)] for n in (100, 33, 64, 70)]
+    ref = generate(llama, prompts, 12, stop_ids=[]).token_ids  # one batch: one compile
+    got, _, _ = run_engine(core, prompts, [12] * len(prompts))
+    assert got == ref
+    assert eng.prefill_slot._cache_size() == compiled
+
+
+def test_long_prompts_are_chunked_on_a_hybrid_target(tmp_path):
+    """GDN conv windows and recurrent states carry over from one prefill chunk to the next."""
+    from test_hybrid import make_tiny_hybrid
+
+    target = load_target(make_tiny_hybrid("qwen3_5_text", tmp_path / "q35", seed=0)[0])
+    prompts = [[1] + [(5 * i + 2) % 100 + 3 for i in range(n)] for n in (75, 40)]
+    ref = generate(target, prompts, 8, stop_ids=[]).token_ids
+    core = EngineCore(target, None, num_slots=2, context_length=96, stop_ids=[], max_prompt_bucket=32)
+    got, _, _ = run_engine(core, prompts, [8, 8])
+    assert got == ref

@@ -6,6 +6,9 @@ Examples::
     python -m dspine_jax.serve --no-speculative --port 8001      # plain autoregressive baseline
     python -m dspine_jax.serve --model /path/qwen3 --draft /path/drafter \\
         --reasoning-parser qwen3 --tool-call-parser qwen3_coder
+
+The server listens at once and loads the model and compiles in the background: ``GET /health`` is 503
+``{"status": "starting"}`` until then (requests get a 503 to retry), 200 ``{"status": "ok"}`` once ready.
 """
 
 from __future__ import annotations
@@ -15,71 +18,73 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SHIPPED_DRAFTER = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-dspine-b16"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in ``--help``; a computed default (None) is explained by the option's own help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None and "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dspine_jax.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF-format model dir or alias (default: %(default)s)")
+    p = argparse.ArgumentParser(prog="python -m dspine_jax.serve", description=__doc__.splitlines()[0],
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF-format model dir or alias")
     p.add_argument("--draft", default=None,
                    help="drafter checkpoint dir, or init:dspine / init:dflash[:BLOCK] (default: the shipped "
                         "SmolLM2 DSpine drafter when serving the default model)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the --model value's name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--max-running-requests", type=int, default=8, help="engine slots (requests decoded together)")
     p.add_argument("--max-queued-requests", type=int, default=64, help="waiting requests beyond which 429 is returned")
     p.add_argument("--context-length", type=int, default=None,
                    help="tokens per request, prompt + completion (default: min(model positions, 2048))")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=None, help="verify length (anchor + proposals); default: the drafter's block")
-    p.add_argument("--sps-table", default=None, help="verify length per running-batch size (python -m dspine_jax.tune)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and caches")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="verify length (anchor + proposals) (default: the drafter's block)")
+    p.add_argument("--sps-table", default=None,
+                   help="verify length per running-batch size, from python -m dspine_jax.tune (default: none)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: heads and MLP split over this many devices")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree: slots split over this many device groups")
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding (one token per step)")
-    p.add_argument("--reasoning-parser", choices=["qwen3"], default=None)
-    p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None)
+    p.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                   help="split <think> reasoning into reasoning_content (default: none)")
+    p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None,
+                   help="parse tool calls from the output (default: none)")
     p.add_argument("--warmup-prompt-buckets", type=int, default=256,
-                   help="compile prefill for prompt buckets up to this length before listening")
-    p.add_argument("--log-level", default="warning")
+                   help="widest prompt bucket: prefill is compiled (in the background, before /health says ok) for "
+                        "widths 32, 64, ... up to this; longer prompts are prefilled in chunks of the widest")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return p
 
 
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.max_running_requests < 1 or args.max_queued_requests < 0:
-        sys.exit("error: --max-running-requests must be >= 1 and --max-queued-requests >= 0")
-
-    def log(msg: str) -> None:
-        print(f"[dspine_jax.serve] {msg}", file=sys.stderr, flush=True)
-
+def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None]) -> tuple[Any, Any]:
+    """Weights, tokenizer, drafter → a compiled ``EngineCore`` and the tokenizer (the server's loader, run on
+    its engine thread). Failures the user can fix raise ``StartupError`` with a one-line message."""
     import jax
-    import uvicorn
 
-    from dspine_jax.generate import enable_compilation_cache
-    from dspine_jax.mesh import make_mesh
-    from dspine_jax.serve.engine import EngineCore, SlotParams, prompt_bucket
-    from dspine_jax.serve.server import ServerConfig, build_app
+    from dspine_jax.serve.engine import EngineCore
+    from dspine_jax.serve.server import StartupError
     from dspine_jax.speculative import load_draft, load_sps_table
     from dspine_jax.target import load_target
     from dspine_jax.tokenizer import load_tokenizer
 
-    try:  # before loading anything: a mesh this machine cannot build should fail at once
-        mesh = make_mesh(tp=args.tp, dp=args.dp) if (args.tp, args.dp) != (1, 1) else None
-        if mesh is not None and args.max_running_requests % args.dp:
-            raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of --dp {args.dp}")
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    enable_compilation_cache()
     t0 = time.perf_counter()
     log(f"loading {args.model} ({args.dtype}) on {jax.devices()[0].platform}")
     try:
         target = load_target(args.model, dtype=args.dtype)
         tokenizer = load_tokenizer(args.model)
     except (ValueError, FileNotFoundError, OSError) as e:
-        sys.exit(f"error: could not load model {args.model!r}: {e}")
+        raise StartupError(f"could not load model {args.model!r}: {e}") from None
     drafter = None
     if not args.no_speculative:
         draft = args.draft
@@ -94,38 +99,62 @@ def main(argv=None) -> None:
         try:
             drafter = load_draft(draft, target, dtype=args.dtype)
         except (ValueError, FileNotFoundError, OSError) as e:
-            sys.exit(f"error: could not load drafter {draft!r}: {e}")
+            raise StartupError(f"could not load drafter {draft!r}: {e}") from None
     context = args.context_length or min(target.config.max_position_embeddings, 2048)
     sps = load_sps_table(args.sps_table) if args.sps_table and drafter is not None else None
     try:
         if mesh is not None:
             log(f"mesh: data={args.dp} x model={args.tp} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
         core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
-                          verify_len=args.block_size, sps_table=sps, mesh=mesh)
+                          verify_len=args.block_size, sps_table=sps, mesh=mesh,
+                          max_prompt_bucket=args.warmup_prompt_buckets)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+    mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}" if drafter else "autoregressive"
+    log(f"engine: {args.max_running_requests} slots × {context} tokens, {mode}; compiling")
+    core.warmup(progress=log)
+    log(f"ready after {time.perf_counter() - t0:.1f}s of loading and compiling")
+    return core, tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.max_running_requests < 1 or args.max_queued_requests < 0:
+        sys.exit("error: --max-running-requests must be >= 1 and --max-queued-requests >= 0")
+    if args.warmup_prompt_buckets < 1:
+        sys.exit("error: --warmup-prompt-buckets must be >= 1")
+
+    def log(msg: str) -> None:
+        print(f"[dspine_jax.serve] {msg}", file=sys.stderr, flush=True)
+
+    import uvicorn
+
+    from dspine_jax.generate import enable_compilation_cache
+    from dspine_jax.mesh import make_mesh
+    from dspine_jax.serve.server import ServerConfig, build_app
+
+    try:  # before loading anything: a mesh this machine cannot build should fail at once
+        mesh = make_mesh(tp=args.tp, dp=args.dp) if (args.tp, args.dp) != (1, 1) else None
+        if mesh is not None and args.max_running_requests % args.dp:
+            raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of --dp {args.dp}")
     except ValueError as e:
         sys.exit(f"error: {e}")
-    mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}" if drafter else "autoregressive"
-    log(f"engine: {args.max_running_requests} slots × {context} tokens, {mode}")
-    core.warmup(progress=log)
-    width = 32
-    while width <= min(args.warmup_prompt_buckets, context):
-        bucket = prompt_bucket(width, context)
-        log(f"compiling prefill (prompt bucket {bucket})")
-        core.add(0, [target.config.bos_token_id or 1] * min(width, context - 1), 1, SlotParams())
-        core.release(0)
-        width *= 2
+    enable_compilation_cache()
     name = args.served_model_name or (args.model if not os.path.isdir(args.model) else pathlib.Path(args.model).name)
-    app, engine = build_app(core, tokenizer, ServerConfig(
-        model_name=name, context_length=context, reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
+    app, engine = build_app(lambda: load_engine(args, mesh, log), ServerConfig(
+        model_name=name, reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
     ), max_queue=args.max_queued_requests)
+    uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    engine.on_failure = lambda error: setattr(uv, "should_exit", True)  # nothing to serve: stop listening
     engine.start()
-    log(f"ready in {time.perf_counter() - t0:.1f}s: serving {name!r} at http://{args.host}:{args.port}/v1 "
-        "(POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)")
+    log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (POST /v1/completions, /v1/chat/completions; "
+        "GET /v1/models, /health, /metrics); /health says 'starting' until the model is loaded and compiled")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uv.run()
     finally:
         engine.stop()
+    if engine.error is not None:
+        sys.exit(f"error: {engine.error}")
 
 
 if __name__ == "__main__":

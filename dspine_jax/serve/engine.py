@@ -9,12 +9,15 @@ token, not yet in the target cache), whether the slot runs, its sampling paramet
 top-p, top-k per slot) and its PRNG key. The host is the source of truth for token counts, budgets and
 stop strings; the device only knows cache lengths.
 
-Jitted pieces (compiled once per shape; ``Engine.warmup`` compiles them before the server listens):
+Jitted pieces (compiled once per shape; ``EngineCore.warmup`` compiles every shape, which the server
+does in the background before it reports ready):
 
-* ``prefill_slot`` — run one prompt (padded to a power-of-two bucket) on a fresh batch-1 cache, commit
-  its length, and write that row into slot ``i`` of the persistent caches (every cache leaf is
-  batch-major, so a ``dynamic_update_slice`` per leaf); returns the first token, sampled with the
-  slot's own parameters.
+* ``prefill_slot`` — run one prompt chunk (padded to a power-of-two width, 32 … ``max_prompt_bucket``)
+  on slot ``i``'s row (a fresh batch-1 cache for a prompt's first chunk), commit its length, and write
+  that row back into the persistent caches (every cache leaf is batch-major, so a
+  ``dynamic_update_slice`` per leaf); returns the next token, sampled with the slot's own parameters.
+  A prompt wider than the largest width is prefilled in several chunks (``plan_prefill``),
+  so no prompt length compiles a new shape.
 * ``step`` — one round for all slots: draft (per-row temperature and keys), verify ``[S, T]``, accept
   (greedy rows: longest argmax prefix + bonus; sampled rows: lossless speculative sampling with
   per-row temperature / top-p / top-k), stop at the engine's stop ids, cut at each slot's remaining
@@ -35,8 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +56,30 @@ from dspine_jax.speculative import accept_greedy
 MIN_PROMPT_BUCKET = 32
 
 
-def prompt_bucket(length: int, context_length: int) -> int:
-    """Power-of-two padding width (≥ 32) for a prompt, never above ``context_length``."""
-    width = max(MIN_PROMPT_BUCKET, 1 << max(0, math.ceil(math.log2(max(length, 1)))))
-    return min(width, context_length)
+def prompt_widths(context_length: int, max_prompt_bucket: int) -> list[int]:
+    """Prefill chunk widths: powers of two from 32 up to ``max_prompt_bucket`` and the context (at least 32)."""
+    top = max(MIN_PROMPT_BUCKET, min(max_prompt_bucket, context_length))
+    return [MIN_PROMPT_BUCKET << i for i in range((top // MIN_PROMPT_BUCKET).bit_length())]
+
+
+def cache_capacity(context_length: int, max_verify: int) -> int:
+    """Positions per slot: room for a verify block past the context, and for a prompt's last chunk padded
+    to 32 (chunks start at multiples of 32, so a 32-wide tail always fits; see ``plan_prefill``)."""
+    padded = -(-context_length // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET
+    return max(context_length + max_verify, padded)
+
+
+def plan_prefill(n: int, widths: Sequence[int], capacity: int) -> list[tuple[int, int]]:
+    """``(offset, width)`` chunks covering an ``n``-token prompt, each of one of the compiled ``widths``
+    (ascending): the smallest width that holds the rest inside the cache, else the largest the rest fills."""
+    plan, offset = [], 0
+    while offset < n:
+        rest = n - offset
+        fits = [w for w in widths if w >= rest and offset + w <= capacity]
+        width = fits[0] if fits else max(w for w in widths if w <= rest)
+        plan.append((offset, width))
+        offset += width
+    return plan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,23 +211,32 @@ def _write_row(big, small, slot: Array):
     return jax.tree.map(lambda b, s: jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), slot, axis=0), big, small)
 
 
+def _resume_row(big, empty, slot: Array, fresh: Array):
+    """Row ``slot`` of the batch-major pytree ``big`` as a batch-1 pytree, or ``empty`` when ``fresh``
+    (a ``cond``, not a select: a prompt's first chunk does not read the slot's old row)."""
+    row = lambda: jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, slot, 1, axis=0), big)  # noqa: E731
+    return jax.lax.cond(fresh, lambda: empty, row)
+
+
 @functools.partial(jax.jit, donate_argnames=("cache", "dstate"))
 def prefill_slot(
     target: tgt.Target, drafter: Drafter | None, cache, dstate, tokens: Array, length: Array, slot: Array,
-    key_data: Array, temperature: Array, top_p: Array, top_k: Array,
+    fresh: Array, key_data: Array, temperature: Array, top_p: Array, top_k: Array,
 ):
-    """Prompt ``tokens [1, W]`` (``length`` real tokens) → caches with row ``slot`` replaced, first token ``[]``.
+    """Prompt chunk ``tokens [1, W]`` (``length`` real tokens) appended to row ``slot`` (to an empty row when
+    ``fresh``, a prompt's first chunk) → caches with that row replaced, and the token after the chunk ``[]``
+    (only the last chunk's is used).
 
     ``temperature`` etc. are scalars (this request's); temperature 0 = greedy."""
     capacity = cache.capacity
     taps = drafter.config.target_layer_ids if drafter is not None else ()
-    small = tgt.init_cache(target, 1, capacity)
+    small = _resume_row(cache, tgt.init_cache(target, 1, capacity), slot, fresh)
     lengths = length[None].astype(jnp.int32)
     hidden, tapped, small, saved = tgt.forward(target, small, tokens, taps, return_replay=True)
     small = tgt.replay(small, saved, lengths)
     cache = _write_row(cache, small, slot)
     if drafter is not None:
-        dsmall = dr.init_draft_cache(drafter, 1, capacity)
+        dsmall = _resume_row(dstate, dr.init_draft_cache(drafter, 1, capacity), slot, fresh)
         dsmall = dr.append_context(drafter, dsmall, tapped, lengths)
         dstate = _write_row(dstate, dsmall, slot)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [1, 1, H]
@@ -332,10 +363,11 @@ class EngineCore:
     def __init__(
         self, target: tgt.Target, drafter: Drafter | None, *, num_slots: int, context_length: int,
         verify_len: int | None = None, sps_table: dict[int, int] | None = None, stop_ids: Sequence[int] | None = None,
-        bucket_rows: bool = True, mesh: Mesh | None = None,
+        bucket_rows: bool = True, mesh: Mesh | None = None, max_prompt_bucket: int = 256,
     ):
         """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/mesh.py); the
-        target and drafter are laid out on it here, and slots are split over ``data``."""
+        target and drafter are laid out on it here, and slots are split over ``data``.
+        ``max_prompt_bucket``: the widest prefill chunk; longer prompts are prefilled in chunks."""
         config = target.config
         dp = mesh.shape[DATA] if mesh is not None else 1
         if num_slots % dp:
@@ -359,6 +391,8 @@ class EngineCore:
             else:
                 self.verify_lengths = {1: max(2, min(verify_len or block, block))}
         self.max_verify = max(self.verify_lengths.values())
+        self.prompt_widths = prompt_widths(context_length, max_prompt_bucket)
+        self.capacity = cache_capacity(context_length, self.max_verify)
         self._init_caches()
         stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
         stops += [-1] * (-(-max(len(stops), 1) // 8) * 8 - len(stops))
@@ -380,7 +414,7 @@ class EngineCore:
         self.row_buckets = buckets + [s]
 
     def _init_caches(self) -> None:
-        s, capacity = self.num_slots, self.context_length + self.max_verify
+        s, capacity = self.num_slots, self.capacity
         with use_mesh(self.mesh):
             cache = tgt.init_cache(self.target, s, capacity)
             dstate = dr.init_draft_cache(self.drafter, s, capacity) if self.drafter is not None else None
@@ -420,20 +454,23 @@ class EngineCore:
 
     def add(self, slot: int, prompt: Sequence[int], max_new_tokens: int, params: SlotParams) -> tuple[int, str | None]:
         """Prefill ``prompt`` into ``slot``; returns the first token and a finish reason if it already ended."""
+        prompt = list(prompt)
         n = len(prompt)
         if n < 1 or n + max_new_tokens > self.context_length + 1 or max_new_tokens < 1:
             raise ValueError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds the context")
-        width = prompt_bucket(n, self.context_length)
-        tokens = np.full((1, width), self.target.config.pad_token_id or 0, np.int32)
-        tokens[0, :n] = prompt
         key = self._key(params.seed)
         k_prefill, k_loop = jax.random.split(jax.random.wrap_key_data(key))
+        sampling = (jax.random.key_data(k_prefill), jnp.float32(params.temperature), jnp.float32(params.top_p),
+                    jnp.int32(params.top_k))
         with use_mesh(self.mesh):
-            self.cache, self.dstate, first = prefill_slot(
-                self.target, self.drafter, self.cache, self.dstate, jnp.asarray(tokens), jnp.int32(n), jnp.int32(slot),
-                jax.random.key_data(k_prefill), jnp.float32(params.temperature), jnp.float32(params.top_p),
-                jnp.int32(params.top_k),
-            )
+            for offset, width in plan_prefill(n, self.prompt_widths, self.capacity):
+                chunk = prompt[offset : offset + width]
+                tokens = np.full((1, width), self.target.config.pad_token_id or 0, np.int32)
+                tokens[0, : len(chunk)] = chunk
+                self.cache, self.dstate, first = prefill_slot(
+                    self.target, self.drafter, self.cache, self.dstate, jnp.asarray(tokens), jnp.int32(len(chunk)),
+                    jnp.int32(slot), jnp.bool_(offset == 0), *sampling,
+                )
         first = int(first)
         self.occupied[slot] = True
         self.anchor[slot] = first
@@ -488,14 +525,20 @@ class EngineCore:
                 self.running[i] = False
         return StepResult(tokens, finished, accepted, n)
 
-    def warmup(self, progress=None) -> None:
-        """Compile prefill (smallest bucket) and every step variant (verify lengths × row buckets)."""
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile every step variant (verify lengths × row buckets) and prefill at every prompt width."""
+        bos = self.target.config.bos_token_id or 1
+        for width in self.prompt_widths:
+            if progress:
+                progress(f"compiling prefill (prompt width {width})")
+            self.add(0, [bos] * min(width, self.context_length), 1, SlotParams())
+            self.release(0)
         for t in sorted(set(self.verify_lengths.values())):
             for rows in self.row_buckets:
                 if progress:
                     progress(f"compiling step (verify length {t}, {rows} rows)")
                 slot = rows - 1
-                self.add(slot, [self.target.config.bos_token_id or 1], 2, SlotParams())
+                self.add(slot, [bos], 2, SlotParams())
                 table, self.verify_lengths = self.verify_lengths, {1: t}
                 try:
                     self.step()

@@ -39,10 +39,15 @@ class Metrics:
         self.steps = 0
         self.running = 0
         self.queued = 0
-        self.acceptance = Histogram(range(1, max(max_acceptance, 1) + 1))
+        self.set_max_acceptance(max_acceptance)
         self.latency = Histogram([0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300])
         self.ttft = Histogram([0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60])
         self._window = collections.deque()  # (time, tokens, step seconds)
+
+    def set_max_acceptance(self, max_acceptance: int) -> None:
+        """Acceptance-length buckets 1 … ``max_acceptance`` (the server learns it once the engine is built)."""
+        with self.lock:
+            self.acceptance = Histogram(range(1, max(max_acceptance, 1) + 1))
 
     def request(self, endpoint: str, status: str) -> None:
         with self.lock:

@@ -6,6 +6,12 @@ admitted into a free slot between engine steps (prefill), and fed text deltas fr
 an ``asyncio.Queue`` (``loop.call_soon_threadsafe``). Detokenization and stop strings are handled per
 request in the worker, so a stop string frees the slot in the same step. A client that disconnects
 (streaming or not) marks its request cancelled; the worker frees the slot before the next step.
+
+Startup: the app answers as soon as it listens. The worker thread first runs the loader (weights,
+tokenizer, engine, compilation of every shape); until it returns, ``GET /health`` is 503
+``{"status": "starting"}`` and every ``/v1/*`` request gets an immediate 503 with ``Retry-After`` (not a
+wait: a client is never held for minutes, and OpenAI clients retry 503s). Then ``/health`` is 200
+``{"status": "ok"}``; a loader that fails leaves 503 ``{"status": "failed", "error": …}``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -30,7 +37,11 @@ from dspine_jax.serve.engine import EngineCore, SlotParams
 from dspine_jax.serve.metrics import Metrics
 from dspine_jax.serve.parsers import Qwen3CoderToolParser, ReasoningParser, parse_full
 
+RETRY_AFTER_S = 5  # what a 503 "starting" tells clients to wait before retrying
 
+# Builds the engine core and its tokenizer; runs on the engine thread while the server says "starting".
+Loader = Callable[[], tuple[EngineCore, Any]]
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _sse(obj: dict) -> str:
@@ -40,6 +51,11 @@ def _sse(obj: dict) -> str:
 
 def _sse_error(message: str) -> str:
     return _sse({"error": {"message": message, "type": "server_error"}})
+
+
+class StartupError(Exception):
+    """A loader failure whose message is meant for the user as is (no traceback)."""
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
@@ -122,10 +138,19 @@ class QueueFull(Exception):
 
 
 class AsyncEngine:
-    """Owns the EngineCore in a worker thread; a bounded waiting queue in front of it."""
+    """Owns the EngineCore in a worker thread; a bounded waiting queue in front of it.
 
-    def __init__(self, core: EngineCore, tokenizer, metrics: Metrics, max_queue: int):
-        self.core, self.tokenizer, self.metrics, self.max_queue = core, tokenizer, metrics, max_queue
+    The worker first runs ``load``: meanwhile ``state`` is "starting"; then "ready" (``ready`` is set), or
+    "failed" with ``error`` set and ``on_failure(error)`` called (the CLI stops listening)."""
+
+    def __init__(self, load: Loader, metrics: Metrics, max_queue: int):
+        self.load, self.metrics, self.max_queue = load, metrics, max_queue
+        self.core: EngineCore | None = None
+        self.tokenizer: Any = None
+        self.state = "starting"
+        self.error: str | None = None
+        self.ready = threading.Event()
+        self.on_failure: Callable[[str], None] | None = None
         self.waiting: collections.deque[GenRequest] = collections.deque()
         self.active: dict[int, GenRequest] = {}
         self.cond = threading.Condition()
@@ -139,7 +164,8 @@ class AsyncEngine:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        self.thread.join(timeout=30)
+        if self.ready.is_set():  # a loader cannot be interrupted: leave it to die with the (daemon) thread
+            self.thread.join(timeout=30)
 
     def submit(self, req: GenRequest) -> None:
         with self.cond:
@@ -197,7 +223,25 @@ class AsyncEngine:
         if reason is not None:
             self._finish(req, reason)
 
+    def _start(self) -> bool:
+        """Run the loader; True once the engine can serve."""
+        try:
+            self.core, self.tokenizer = self.load()
+            self.metrics.set_max_acceptance(self.core.max_verify)
+        except Exception as e:
+            if not isinstance(e, StartupError):
+                traceback.print_exception(e)
+            self.error, self.state = str(e) or type(e).__name__, "failed"
+            if self.on_failure is not None:
+                self.on_failure(self.error)
+            return False
+        self.state = "ready"
+        self.ready.set()
+        return True
+
     def _run(self) -> None:
+        if not self._start():
+            return
         core = self.core
         while True:
             with self.cond:
@@ -297,6 +341,7 @@ def _integer(body: dict, name: str) -> int | None:
 @dataclasses.dataclass
 class Sampling:
     max_tokens: int | None
+    max_tokens_param: str  # the field the client set it with (max_tokens or max_completion_tokens)
     params: SlotParams
     stops: list[str]
     stream: bool
@@ -314,11 +359,10 @@ def parse_sampling(body: dict, chat: bool) -> Sampling:
     if top_k < 0:
         raise APIError(400, f"'top_k' must be -1, 0 (disabled) or positive, got {top_k}", param="top_k")
     seed = _integer(body, "seed")
-    max_tokens = _integer(body, "max_completion_tokens") if chat else None
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
+    max_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, max_param)
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
+        raise APIError(400, f"'{max_param}' must be >= 1, got {max_tokens}", param=max_param)
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0) != 0.0:
             raise APIError(400, f"'{name}' is not supported (must be 0)", param=name)
@@ -341,8 +385,9 @@ def parse_sampling(body: dict, chat: bool) -> Sampling:
     if not isinstance(options, dict):
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
     return Sampling(
-        max_tokens=max_tokens, params=SlotParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
-        stops=stops, stream=stream, include_usage=bool(options.get("include_usage")),
+        max_tokens=max_tokens, max_tokens_param=max_param,
+        params=SlotParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed), stops=stops, stream=stream,
+        include_usage=bool(options.get("include_usage")),
     )
 
 
@@ -388,16 +433,19 @@ def _normalize_messages(messages: list) -> list[dict]:
 @dataclasses.dataclass
 class ServerConfig:
     model_name: str
-    context_length: int
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
 
 
 class Server:
-    def __init__(self, engine: AsyncEngine, tokenizer, config: ServerConfig):
-        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine, self.config = engine, config
         self.metrics = engine.metrics
         self.created = int(time.time())
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
 
     # -- helpers
     async def _json(self, request: Request) -> dict:
@@ -413,29 +461,31 @@ class Server:
                            param="model", code="model_not_found")
         return body
 
-    def _check_length(self, prompt_ids: list[int], max_tokens: int | None) -> int:
-        ctx = self.config.context_length
+    def _check_length(self, prompt_ids: list[int], s: Sampling, prompt_param: str) -> int:
+        """The completion budget: ``max_tokens`` if the context holds it after the prompt, else a 400 that
+        names the field at fault (the prompt, or ``max_tokens`` with its cap); unset → all the room left."""
+        ctx, n = self.engine.core.context_length, len(prompt_ids)
         if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param=prompt_param)
         vocab = self.engine.core.target.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if max_tokens is None:
-            max_tokens = ctx - len(prompt_ids)
-            if max_tokens < 1:
-                raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
-                               f"{len(prompt_ids)} tokens, leaving no room for a completion.",
-                               param="messages", code="context_length_exceeded")
-        if len(prompt_ids) + max_tokens > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                           f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} "
-                           "for the completion). Please reduce the prompt or max_tokens.",
-                           param="max_tokens", code="context_length_exceeded")
-        return max_tokens
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param=prompt_param)
+        room = ctx - n
+        if room < 1:
+            raise APIError(400, f"The prompt has {n} tokens, but this model's maximum context length is {ctx} "
+                           f"tokens (prompt + completion), leaving no room for a completion. Please shorten the "
+                           f"{prompt_param}.", param=prompt_param, code="context_length_exceeded")
+        if s.max_tokens is None:
+            return room
+        if s.max_tokens > room:
+            raise APIError(400, f"'{s.max_tokens_param}' is {s.max_tokens}, but at most {room} completion tokens "
+                           f"fit: this model's maximum context length is {ctx} tokens and the prompt has {n}. "
+                           f"Please set {s.max_tokens_param} <= {room}.",
+                           param=s.max_tokens_param, code="context_length_exceeded")
+        return s.max_tokens
 
-    def _submit(self, request_body_sampling: Sampling, prompt_ids: list[int], endpoint: str) -> GenRequest:
-        s = request_body_sampling
-        max_tokens = self._check_length(prompt_ids, s.max_tokens)
+    def _submit(self, s: Sampling, prompt_ids: list[int], endpoint: str) -> GenRequest:
+        max_tokens = self._check_length(prompt_ids, s, "messages" if endpoint == "chat" else "prompt")
         req = GenRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, params=s.params, stops=s.stops,
                          loop=asyncio.get_running_loop(), endpoint=endpoint)
         try:
@@ -479,13 +529,32 @@ class Server:
 
     # -- endpoints
     async def health(self, request: Request):
-        alive = self.engine.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        engine = self.engine
+        if engine.state == "ready":
+            alive = engine.thread.is_alive()
+            return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        body = {"status": engine.state} | ({"error": engine.error} if engine.error else {})
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _when_ready(self, handler: Handler) -> Handler:
+        """``handler`` once the engine is ready; before that an immediate 503 the client can retry."""
+        async def gated(request: Request) -> Response:
+            engine = self.engine
+            if engine.state == "ready":
+                return await handler(request)
+            if engine.state == "starting":
+                message = "the server is starting (loading and compiling the model); retry when GET /health is 200"
+            else:
+                message = f"the engine failed to start: {engine.error}"
+            response = APIError(503, message, type_="server_error", code=f"server_{engine.state}").response()
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
+        return gated
 
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [{
             "id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "dspine_jax",
-            "max_model_len": self.config.context_length,
+            "max_model_len": self.engine.core.context_length,
         }]})
 
     async def metrics_endpoint(self, request: Request):
@@ -674,18 +743,17 @@ class Server:
 
         routes = [
             Route("/health", self.health, methods=["GET"]),
-            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models", self._when_ready(self.models), methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self._when_ready(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._when_ready(self.chat_completions), methods=["POST"]),
         ]
         return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed,
                                                             500: server_error, Exception: server_error})
 
 
-def build_app(core: EngineCore, tokenizer, config: ServerConfig, max_queue: int = 64) -> tuple[Starlette, AsyncEngine]:
-    """Wire an engine core into an app; the engine thread starts with the app (lifespan) or via ``start()``."""
-    metrics = Metrics(max_acceptance=core.max_verify)
-    engine = AsyncEngine(core, tokenizer, metrics, max_queue)
-    server = Server(engine, tokenizer, config)
-    return server.app(), engine
+def build_app(load: Loader, config: ServerConfig, max_queue: int = 64) -> tuple[Starlette, AsyncEngine]:
+    """Wire an engine into an app. ``engine.start()`` starts the engine thread, which runs ``load`` (→ core,
+    tokenizer) first; the app serves requests once it returns (see the module doc)."""
+    engine = AsyncEngine(load, Metrics(), max_queue)
+    return Server(engine, config).app(), engine
