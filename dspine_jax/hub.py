@@ -455,55 +455,119 @@ def _convert_tensors(reader: Any, cfg: dict[str, Any], progress: bool) -> dict[s
     return out
 
 
-def _pre_tokenizer_fix(pre: str | None) -> Any:
-    """HF pre-tokenizer matching llama.cpp's ``tokenizer.ggml.pre``, where transformers' GGUF
-    loader is known to get it wrong (it always uses plain GPT-2 ByteLevel)."""
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte → printable-character table, the alphabet byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def _pre_tokenizer(pre: str | None) -> Any:
+    """The HF pre-tokenizer for llama.cpp's ``tokenizer.ggml.pre``.
+
+    Only splits we know to be right are accepted: a wrong one would tokenize silently differently
+    from how the model was trained (transformers' GGUF loader, for one, used plain GPT-2 splitting
+    for ``smollm`` and lost its digit isolation).
+    """
     from tokenizers import pre_tokenizers
 
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre == "smollm":
-        # llama.cpp's SMOLLM pre-tokenizer isolates every digit before the GPT-2
-        # regex; this is also what SmolLM2's own tokenizer.json does.
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-            ]
-        )
-    return None
+        # llama.cpp's SMOLLM pre-tokenizer isolates every digit before the GPT-2 regex; this is
+        # also what SmolLM2's own tokenizer.json does.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt-2", "gpt2"):
+        return byte_level
+    raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported (supported: 'smollm', 'gpt-2')")
 
 
-def _write_tokenizer(gguf_path: pathlib.Path, out: pathlib.Path, meta: dict[str, Any], cfg: dict[str, Any]) -> None:
-    """Write ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja`` from the GGUF."""
-    from transformers import AutoTokenizer
+def _gguf_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+    """A byte-level BPE ``tokenizers.Tokenizer`` from ``tokenizer.ggml.*`` metadata, and its special tokens.
 
-    # transformers rebuilds a fast tokenizer from tokenizer.ggml.{tokens,merges,...};
-    # local_files_only guarantees no hub access.
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
-    fix = _pre_tokenizer_fix(meta.get("tokenizer.ggml.pre"))
-    if fix is not None:
-        tok.backend_tokenizer.pre_tokenizer = fix
+    Built here, not with transformers' GGUF reader, because that reader imports torch, which the
+    core install does not have. The result mirrors that reader's ``gpt2`` conversion: GPT-2 BPE over
+    the byte alphabet, CONTROL tokens added as special tokens, USER_DEFINED ones as plain added tokens.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, processors
+    from tokenizers.models import BPE
+
+    def req(key: str) -> Any:
+        if key not in meta:
+            raise ValueError(f"GGUF metadata lacks {key!r}, needed to build the tokenizer")
+        return meta[key]
+
+    model = req("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"GGUF tokenizer.ggml.model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+    tokens: list[str] = list(req("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ")) for m in req("tokenizer.ggml.merges")]
+    pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
+
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    # Tokens already in the byte alphabet stay; any other (a mislabelled control token) is respelled.
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
+    }
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                        end_of_word_suffix="", fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    # llama.cpp token types: 3 CONTROL (special, e.g. <|im_end|>), 4 USER_DEFINED (whole, not special).
+    # A control token outside the byte alphabet would grow the vocabulary past the model's: skipped.
+    control = [t for t, k in zip(tokens, token_types) if k == 3 and set(t) <= alphabet]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, token_types) if k == 4])
+
+    ids = {
+        name: int(meta[f"tokenizer.ggml.{key}"])
+        for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                          ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+        if f"tokenizer.ggml.{key}" in meta
+    }
+    special = {name: tokens[i] for name, i in ids.items()}
+    # BOS / EOS around each sequence exactly when the GGUF asks for them (transformers' template form).
+    bos = ["bos_token"] if meta.get("tokenizer.ggml.add_bos_token") and "bos_token" in ids else []
+    eos = ["eos_token"] if meta.get("tokenizer.ggml.add_eos_token") and "eos_token" in ids else []
+
+    def template(piece: str, type_id: int) -> list[str]:
+        parts = [special[n] for n in bos] + [f"${piece}"] + [special[n] for n in eos]
+        return [f"{part}:{type_id}" for part in parts]
+
+    tok.post_processor = processors.TemplateProcessing(
+        single=template("A", 0), pair=template("A", 0) + template("B", 1),
+        special_tokens=[(special[n], ids[n]) for n in {*bos, *eos}],
+    )
+    return tok, special
+
+
+def _write_tokenizer(out: pathlib.Path, meta: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """Write ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja`` from GGUF metadata.
+
+    Needs only ``tokenizers``; transformers' ``AutoTokenizer`` loads the result (as
+    ``PreTrainedTokenizerFast``, which takes tokenizer.json verbatim), torch or not.
+    """
+    tok, special = _gguf_tokenizer(meta)
+    tok.save(str(out / "tokenizer.json"))
+    config: dict[str, Any] = {
+        "backend": "tokenizers",
+        # Not transformers 5's "TokenizersBackend" (unknown to transformers 4), nor "GPT2Tokenizer"
+        # (it would rebuild the pre-tokenizer and lose the digit splitting).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": cfg["max_position_embeddings"],
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    }
     template = meta.get("tokenizer.chat_template")
     if template:
-        tok.chat_template = template
-    tok.save_pretrained(str(out))
-
-    # Tidy tokenizer_config.json: drop load-time flags transformers leaks into it,
-    # set a real max length, and also embed the chat template there so consumers
-    # that only read tokenizer_config.json (older transformers, other tools) see it.
-    tc_path = out / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text(encoding="utf-8"))
-    for k in ("is_local", "local_files_only", "gguf_file"):
-        tc.pop(k, None)
-    # transformers 5 writes "TokenizersBackend", unknown to transformers 4; the v4 name
-    # is an alias of it in v5 and, unlike "GPT2Tokenizer", loads tokenizer.json verbatim
-    # (GPT2Tokenizer would rebuild the pre-tokenizer and lose the digit splitting).
-    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tc["model_max_length"] = cfg["max_position_embeddings"]
-    tc["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    tc["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    if template:
-        tc["chat_template"] = template
-    _write_json(tc_path, tc)
+        # Both places: transformers 5 reads chat_template.jinja, older consumers tokenizer_config.json.
+        config["chat_template"] = template
+        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", config)
 
 
 def convert_llama_gguf(
@@ -542,4 +606,4 @@ def convert_llama_gguf(
     del tensors, reader
 
     _log(progress, "writing tokenizer")
-    _write_tokenizer(gguf_path, out, meta, cfg)
+    _write_tokenizer(out, meta, cfg)

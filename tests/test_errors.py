@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -84,3 +85,89 @@ def test_invalid_prompts(tiny_models, prompts):
 def test_invalid_dtype(tiny_models):
     with pytest.raises(ValueError, match="dtype"):
         load_target(tiny_models["llama"][0], dtype="float8")
+
+
+class _Loaded(Exception):
+    """Raised by the stubbed loaders: the CLI got past argument checking."""
+
+
+@pytest.fixture
+def cli_without_loading(monkeypatch):
+    """``python -m dspine_jax.generate``'s main with every loader stubbed to raise ``_Loaded``."""
+    import importlib
+
+    import dspine_jax.hub
+    import dspine_jax.target
+    import dspine_jax.tokenizer
+
+    def loaded(*args, **kwargs):
+        raise _Loaded
+
+    for module, name in [(dspine_jax.target, "load_target"), (dspine_jax.tokenizer, "load_tokenizer"),
+                         (dspine_jax.hub, "resolve_model_dir")]:
+        monkeypatch.setattr(module, name, loaded)
+    cli = importlib.import_module("dspine_jax.generate")
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)  # keep this process's JAX config
+    return lambda *args: cli.main(["--model", "smollm2-135m-instruct", "--prompt", "hi", *args])
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--max-new-tokens", "-1"], r"--max-new-tokens: .*-1"),
+        (["--max-new-tokens", "0"], r"--max-new-tokens"),
+        (["--draft", "/no/such/drafter"], r"--draft: .*/no/such/drafter.*(not|no)"),
+        (["--draft", "{empty}"], r"--draft: .*config\.json"),
+        (["--draft", "init:medusa"], r"--draft: .*init:dspine"),
+        (["--draft", "init:dspine:1"], r"--draft"),
+        (["--draft", "init:dspine", "--block-size", "1"], r"--block-size: .*>= 2"),
+        (["--draft", "init:dspine:8", "--block-size", "9"], r"--block-size: .*9.*8"),
+        (["--draft", "checkpoints/smollm2-135m-dspine-b16", "--block-size", "17"], r"--block-size: .*17.*16"),
+        (["--block-size", "4"], r"--block-size .*--draft"),
+        (["--sps-table", "t.json"], r"--sps-table .*--draft"),
+        (["--draft", "init:dspine", "--sps-table", "/no/such/table.json"], r"--sps-table: .*/no/such/table\.json"),
+        (["--temperature", "-0.5"], r"temperature"),
+        (["--temperature", "nan"], r"temperature"),
+        (["--top-p", "0"], r"top_p"),
+        (["--top-p", "1.5"], r"top_p"),
+        (["--top-k", "-1"], r"top_k"),
+    ],
+)
+def test_cli_rejects_bad_arguments_before_loading(cli_without_loading, capsys, tmp_path, monkeypatch, args, match):
+    import pathlib
+
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)  # the shipped checkpoints/ are relative
+    (tmp_path / "empty").mkdir()
+    args = [a.replace("{empty}", str(tmp_path / "empty")) for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_without_loading(*args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert re.search(match, err), err
+    assert "Traceback" not in err
+
+
+def test_cli_accepts_good_arguments_then_loads(cli_without_loading, monkeypatch):
+    import pathlib
+
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
+    for args in (["--max-new-tokens", "5", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "5"],
+                 ["--draft", "init:dflash:8", "--block-size", "8"],
+                 ["--draft", "checkpoints/smollm2-135m-dspine-b16", "--block-size", "16"]):
+        with pytest.raises(_Loaded):
+            cli_without_loading(*args)
+
+
+def test_cli_names_a_missing_package_in_one_line(cli_without_loading, monkeypatch, capsys):
+    import dspine_jax.target
+
+    def missing(*args, **kwargs):
+        raise ImportError("apply_chat_template requires jinja2 to be installed")
+
+    monkeypatch.setattr(dspine_jax.target, "load_target", missing)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_without_loading()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    assert err == ("error: a package this command needs is missing: "
+                   "apply_chat_template requires jinja2 to be installed\n")

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
+
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dspine_jax import generate, load_target
+from dspine_jax import generate, init_drafter, load_target, speculative_generate
+from dspine_jax.generate import max_new_tokens_cap
+
+cli = importlib.import_module("dspine_jax.generate")  # the module (the package attribute is the function)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 55))]
 
@@ -49,10 +56,109 @@ def test_stop_ids_end_rows_independently(tiny_models):
 def test_capacity_limit_is_reported(tiny_models):
     model_dir, _ = tiny_models["qwen3"]
     target = load_target(model_dir)  # max_position_embeddings = 512
-    result = generate(target, [list(range(1, 120)) * 4], max_new_tokens=200, stop_ids=[])
+    # A batch whose short row can hold all 200 new tokens; the long row cannot.
+    result = generate(target, [list(range(1, 120)) * 4, [3, 4]], max_new_tokens=200, stop_ids=[])
     # 476 prompt tokens + up to 512 - 476 = 36 cache slots: the last token is returned, not fed.
-    assert len(result.token_ids[0]) == 512 - 476 + 1
-    assert result.finish_reasons == ["capacity"]
+    assert len(result.token_ids[0]) == 512 - 476 + 1 and len(result.token_ids[1]) == 200
+    assert result.finish_reasons == ["capacity", "length"]
+
+
+def test_max_new_tokens_beyond_the_context_is_rejected(tiny_models):
+    """No row could ever produce that many tokens: an error naming the cap, not a long silent run."""
+    target = load_target(tiny_models["llama"][0])  # 512 positions
+    drafter = init_drafter(target, "dspine", num_layers=1, block_size=4)
+    # The shortest row (500 tokens) leaves 12 slots: 13 tokens (the last is returned, not fed back).
+    prompts = [[1] * 500, [1] * 505]
+    for run in (generate, functools.partial(speculative_generate, drafter=drafter)):
+        with pytest.raises(ValueError, match=r"max_new_tokens=14 .*at most 13\b"):
+            run(target, prompt_ids=prompts, max_new_tokens=14)
+    assert max_new_tokens_cap([500, 505], 512) == 13
+
+
+def test_prompt_bucket_wider_than_the_cache(tiny_models):
+    """A position limit that is not a multiple of the prompt bucket (32), with the prompt in the last
+    bucket: the padded prompt (64 wide) must not be written past the 40-slot cache."""
+    model_dir, hf = tiny_models["llama"]
+    target = load_target(model_dir)
+    target = target.replace(config=dataclasses.replace(target.config, max_position_embeddings=40))
+    prompt = list(range(20, 55))  # 35 tokens: positions 35…39 remain, so up to 6 new tokens
+    ar = generate(target, [prompt], max_new_tokens=6, stop_ids=[])
+    assert ar.token_ids[0] == hf_greedy(hf, prompt, 6) and ar.finish_reasons == ["length"]
+    drafter = init_drafter(target, "dspine", num_layers=1, block_size=4)
+    spec = speculative_generate(target, drafter, [prompt], max_new_tokens=6, stop_ids=[])
+    assert spec.token_ids == ar.token_ids
+
+
+def test_compilation_is_timed_apart(tiny_models):
+    """``compile_seconds`` holds the compilation a first call pays; ``seconds`` (and tokens/s) hold only
+    prefill + decode, so a second call of the same shapes reports no compilation and a similar speed."""
+    import jax
+
+    compiles: list[float] = []
+
+    def listener(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    target = load_target(tiny_models["qwen3"][0])
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        first = generate(target, [[9, 8, 7]], max_new_tokens=11, stop_ids=[])  # a shape no other test uses
+        compiled = sum(compiles)
+        second = generate(target, [[9, 8, 6]], max_new_tokens=11, stop_ids=[])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiled > 0 and sum(compiles) == compiled  # the second call compiled nothing
+    assert first.compile_seconds >= compiled  # all of it inside compile_seconds ...
+    assert first.seconds < first.compile_seconds  # ... none in the decode timing (tiny model: decode is fast)
+    assert second.compile_seconds < first.compile_seconds / 4
+    assert first.tokens_per_second == pytest.approx(first.num_tokens / first.seconds)
+
+
+def test_a_slow_compile_says_so(tiny_models, monkeypatch, caplog):
+    target = load_target(tiny_models["qwen3"][0])
+    caplog.set_level("INFO", logger="dspine_jax")
+    monkeypatch.setattr(cli, "COMPILE_NOTICE_SECONDS", 0.0)  # every compile counts as slow
+    generate(target, [[9, 8, 7, 6]], max_new_tokens=13, stop_ids=[])
+    assert [r.getMessage() for r in caplog.records].count(
+        "compiling … (first run of these shapes; later runs reuse the compiled programs)") == 1  # once per call
+    caplog.clear()
+    monkeypatch.setattr(cli, "COMPILE_NOTICE_SECONDS", 60.0)
+    generate(target, [[9, 8, 7, 6]], max_new_tokens=13, stop_ids=[])
+    assert not caplog.records
+
+
+class _FakeTokenizer:
+    """Just enough tokenizer for the CLI on a tiny model without tokenizer files: one id per character."""
+
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [3 + ord(c) % 100 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_cli_caps_max_new_tokens_and_reports_compile_time(tiny_models, tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+
+    import dspine_jax.tokenizer
+
+    model_dir = tmp_path / "short"
+    shutil.copytree(tiny_models["llama"][0], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    monkeypatch.setattr(dspine_jax.tokenizer, "load_tokenizer", lambda path: _FakeTokenizer())
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)  # keep this process's JAX config
+    cli.main(["--model", str(model_dir), "--prompt", "ten chars!", "--max-new-tokens", "100000", "--json"])
+    out, err = capsys.readouterr()
+    assert "--max-new-tokens 100000" in err and "capped at 31" in err  # 40 positions - 10 prompt + 1
+    record = json.loads(out)
+    assert record["num_tokens"] <= 31 and len(record["token_ids"]) == record["num_tokens"]
+    assert record["compile_seconds"] > 0 and record["seconds"] > 0
+    assert record["tokens_per_second"] == pytest.approx(record["num_tokens"] / record["seconds"], rel=0.02)
 
 
 def test_seeded_sampling_is_reproducible(tiny_models):

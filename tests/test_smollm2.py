@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_cli_json(smollm2):
         capture_output=True, text=True, check=True, timeout=600,
     )
     result = json.loads(out.stdout)
-    assert set(result) >= {"text", "token_ids", "num_tokens", "seconds", "tokens_per_second"}
+    assert set(result) >= {"text", "token_ids", "num_tokens", "seconds", "compile_seconds", "tokens_per_second"}
     assert result["num_tokens"] == len(result["token_ids"]) <= 16
     assert "Paris" in result["text"]
 
@@ -54,3 +55,21 @@ def test_cli_reports_bad_model_cleanly():
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 2 and "not-a-model" in out.stderr and "Traceback" not in out.stderr
+
+
+def _readme_python_block(heading: str) -> str:
+    """The first ```python block after ``heading`` in the README."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index(heading):]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_quick_start(smollm2, capsys):
+    """The README's Quick start runs as written and prints text, not special tokens."""
+    namespace: dict = {}
+    exec(compile(_readme_python_block("## Quick start in Python"), "README.md:quick-start", "exec"), namespace)
+    printed = capsys.readouterr().out
+    out = namespace["out"]
+    assert out.finish_reasons == ["stop"] and out.token_ids[0][-1] in namespace["target"].config.eos_token_ids
+    assert "<|im_end|>" not in printed and "<|im_start|>" not in printed
+    assert printed.strip(), "the quick start printed nothing"
