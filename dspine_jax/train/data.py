@@ -15,9 +15,9 @@ the next ``train`` the training split; ``check_disjoint`` asserts no prompt text
 
 ``regenerate`` produces the responses with the target at temperature 0 (batched ``generate``, tqdm),
 one JSON shard per batch under ``DIR/gen/`` (resumable: finished shards are skipped). ``build_features``
-then runs the frozen target once over every training row (prompt + response, right-padded to
-``max_len``) and stores the tapped hidden states plus the final-normed hidden (teacher) as float16 in
-a memmap ``DIR/features/<target>/train.f16`` ``[N, S, n+1, H]`` (resumable by chunk).
+then runs the frozen target once over every training row (prompt + response, cut at ``max_len``) and
+stores the tapped hidden states plus the final-normed hidden (teacher) as float16, packed without
+padding, in a memmap under the user cache (``features_dir``; resumable by chunk).
 
 CLI: ``python -m dspine_jax.train.data --target smollm2-135m-instruct --out DIR [--train 60 --heldout 8]``.
 """
@@ -25,19 +25,45 @@ CLI: ``python -m dspine_jax.train.data --target smollm2-135m-instruct --out DIR 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import lzma
+import os
 import random
 import re
 import subprocess
 import sys
 import tarfile
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 DOMAINS = ("code", "math", "chat", "prose")
 HELDOUT_SEED = 20261129
+
+
+@contextlib.contextmanager
+def scratch_cwd() -> Iterator[None]:
+    """Run inside a throw-away working directory: some ``reasoning-gym`` generators (``codeio``) execute
+    sample programs that write files into the current directory."""
+    before = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="dspine-rg-") as tmp:
+        os.chdir(tmp)
+        try:
+            yield
+        finally:
+            os.chdir(before)
+
+
+def reasoning_gym_questions(task: str, size: int, seed: int) -> list[str]:
+    """The stripped questions of one ``reasoning-gym`` dataset."""
+    import reasoning_gym
+
+    with scratch_cwd():
+        return [item["question"].strip() for item in reasoning_gym.create_dataset(task, size=size, seed=seed)]
 
 
 def default_data_dir() -> Path:
@@ -59,22 +85,17 @@ def _code_prompts(limit: int) -> tuple[list[dict], list[dict]]:
          "source": f"humaneval/{tid}"}
         for tid, p in sorted(read_problems().items())
     ]  # fmt: skip
-    import reasoning_gym
-
     cio = []
-    for i, item in enumerate(reasoning_gym.create_dataset("codeio", size=limit, seed=7)):
-        q = item["question"].strip()
+    for i, q in enumerate(reasoning_gym_questions("codeio", limit, seed=7)):
         if len(q) < 1500:
             cio.append({"messages": [{"role": "user", "content": q}], "source": f"codeio/{i}"})
     return he, cio
 
 
 def _math_prompts(limit: int) -> list[dict]:
-    import reasoning_gym
-
     return [
-        {"messages": [{"role": "user", "content": item["question"].strip()}], "source": f"gsm_symbolic/{i}"}
-        for i, item in enumerate(reasoning_gym.create_dataset("gsm_symbolic", size=limit, seed=11))
+        {"messages": [{"role": "user", "content": q}], "source": f"gsm_symbolic/{i}"}
+        for i, q in enumerate(reasoning_gym_questions("gsm_symbolic", limit, seed=11))
     ]
 
 
@@ -153,7 +174,7 @@ def collect_prompts(train: int, heldout: int, cache: Path, seed: int = HELDOUT_S
     splits: dict[str, dict[str, list[dict]]] = {"train": {}, "heldout": {}}
     he, cio = _code_prompts(train * 2)
     he_held, he_train = _split(he, heldout, train, seed)
-    cio_held, cio_train = _split(cio, 0, train, seed)
+    _, cio_train = _split(cio, 0, train, seed)
     splits["heldout"]["code"] = he_held
     mixed = he_train[: train // 2] + cio_train
     splits["train"]["code"] = mixed[:train]
@@ -255,7 +276,47 @@ def regenerate(
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Corpus directories (``corpus.py`` writes them): a compressed plan plus token-id shards
+
+FINISH_CODES = {"stop": 0, "length": 1, "capacity": 2}
+PLAN_FILE = "plan.jsonl.xz"
+
+
+def read_plan(corpus_dir: Path) -> list[dict]:
+    """The planned prompts with each record's ``row`` (its index) and ``key`` filled in."""
+    with lzma.open(Path(corpus_dir) / PLAN_FILE, "rt", encoding="utf-8") as f:
+        plan = [json.loads(line) for line in f]
+    for i, r in enumerate(plan):
+        r["row"], r["key"] = i, prompt_key(r)
+    return plan
+
+
+def read_shard(path: Path, plan: list[dict]) -> list[dict]:
+    """One regenerated batch as ``load_sequences`` rows."""
+    with np.load(path) as z:
+        index, tokens, plen, rlen, finish = (z[k] for k in ("row", "tokens", "prompt_len", "response_len", "finish"))
+    names = {v: k for k, v in FINISH_CODES.items()}
+    starts = np.concatenate([[0], np.cumsum(plen + rlen)])
+    out = []
+    for i, p, start, stop, f in zip(index, plen, starts[:-1], starts[1:], finish):
+        seq = tokens[start:stop].astype(np.int64).tolist()
+        record = plan[int(i)]
+        out.append({"key": record["key"], "domain": record["domain"], "source": record["source"],
+                    "prompt_ids": seq[:p], "response_ids": seq[p:], "finish": names[int(f)]})  # fmt: skip
+    return out
+
+
+def shard_paths(corpus_dir: Path) -> list[Path]:
+    return sorted((Path(corpus_dir) / "shards").glob("[0-9]*.npz"))
+
+
 def load_sequences(data_dir: Path) -> list[dict]:
+    """Regenerated training rows of a dataset directory: a corpus (``plan.jsonl.xz`` + ``shards/``) or
+    the first-generation layout (``gen/train_*.json``)."""
+    if (Path(data_dir) / PLAN_FILE).exists():
+        plan = read_plan(data_dir)
+        return [row for path in shard_paths(data_dir) for row in read_shard(path, plan)]
     rows, seen = [], set()
     for path in sorted((Path(data_dir) / "gen").glob("train_*.json")):
         for r in json.loads(path.read_text()):
@@ -307,10 +368,43 @@ def target_features(target, tokens: np.ndarray, taps: tuple[int, ...]) -> np.nda
     return np.asarray(run(jnp.asarray(tokens)))
 
 
+class PackedFeatures:
+    """Rows of a flat feature memmap ``[T, n+1, H]`` (row ``i`` at ``offsets[i] : offsets[i] + lengths[i]``)
+    indexed like a padded ``[N, S, n+1, H]`` array: ``self[idx]`` right-pads each row with zeros to ``S``.
+    Responses vary from a few tokens to hundreds, so padding on disk would cost more than the data."""
+
+    def __init__(self, flat: np.ndarray, lengths: np.ndarray, max_len: int) -> None:
+        self.flat, self.lengths, self.max_len = flat, np.asarray(lengths, np.int64), max_len
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
+        self.shape = (len(self.lengths), max_len, *flat.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        idx = np.atleast_1d(np.asarray(idx))
+        out = np.zeros((len(idx), *self.shape[1:]), self.flat.dtype)
+        for j, i in enumerate(idx):
+            start, n = self.offsets[i], self.lengths[i]
+            out[j, :n] = self.flat[start : start + n]
+        return out
+
+
+def features_dir(data_dir: Path, target_tag: str, taps: tuple[int, ...], max_len: int) -> Path:
+    """Where a dataset's features are cached: beside regenerated data, but in the user cache for a
+    corpus directory (``corpus.py``), which is meant to be committed and must not collect gigabytes."""
+    data_dir = Path(data_dir).resolve()
+    name = f"{target_tag}-taps{'_'.join(map(str, taps))}-S{max_len}"
+    if (data_dir / PLAN_FILE).exists():
+        return default_data_dir() / "features" / f"{data_dir.name}-{name}"
+    return data_dir / "features" / name
+
+
 def build_features(
     target_spec: str, data_dir: Path, taps: tuple[int, ...], max_len: int = 256, chunk: int = 8, progress: bool = True
-):
-    """Memmap of training features (resumable by chunk). Returns (tokens, loss_mask, features memmap)."""
+) -> tuple[np.ndarray, np.ndarray, PackedFeatures]:
+    """Target features of every training row, packed (resumable by chunk). Returns tokens ``[N, S]``,
+    loss mask ``[N, S]`` and a :class:`PackedFeatures` ``[N, S, n+1, H]`` view."""
     from tqdm import tqdm
 
     from dspine_jax.target import load_target
@@ -318,33 +412,35 @@ def build_features(
     data_dir = Path(data_dir)
     rows = load_sequences(data_dir)
     if not rows:
-        raise FileNotFoundError(f"no regenerated sequences under {data_dir}/gen; run python -m dspine_jax.train.data")
+        raise FileNotFoundError(
+            f"no regenerated sequences under {data_dir}; run python -m dspine_jax.train.data or dspine_jax.train.corpus"
+        )
     target = load_target(target_spec)
     pad = target.config.pad_token_id or 0
     tokens, mask = pack_rows(rows, max_len, pad)
-    tag = Path(target.model_dir).name or "target"
-    feat_dir = data_dir / "features" / f"{tag}-taps{'_'.join(map(str, taps))}-S{max_len}"
+    lengths = np.asarray([min(len(r["prompt_ids"]) + len(r["response_ids"]), max_len) for r in rows], np.int64)
+    feat_dir = features_dir(data_dir, Path(target.model_dir).name or "target", taps, max_len)
     feat_dir.mkdir(parents=True, exist_ok=True)
-    shape = (len(rows), max_len, len(taps) + 1, target.config.hidden_size)
-    path = feat_dir / "train.f16"
-    state_path = feat_dir / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {"done": 0, "shape": list(shape)}
-    if state["shape"] != list(shape):
-        state = {"done": 0, "shape": list(shape)}
+    shape = (int(lengths.sum()), len(taps) + 1, target.config.hidden_size)
+    fingerprint = hashlib.sha256(tokens.tobytes()).hexdigest()
+    path, state_path = feat_dir / "train.f16", feat_dir / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    if state.get("shape") != list(shape) or state.get("tokens_sha256") != fingerprint:
+        state = {"done": 0, "shape": list(shape), "tokens_sha256": fingerprint}
     mm = np.memmap(path, np.float16, mode="r+" if path.exists() and state["done"] else "w+", shape=shape)
-    starts = list(range(state["done"], len(rows), chunk))
-    for start in tqdm(starts, desc="target features", disable=not progress):
+    view = PackedFeatures(mm, lengths, max_len)
+    for start in tqdm(range(state["done"], len(rows), chunk), desc="target features", disable=not progress):
         stop = min(start + chunk, len(rows))
         block = tokens[start:stop]
         if stop - start < chunk:  # keep one compiled shape
             block = np.concatenate([block, np.full((chunk - (stop - start), max_len), pad, np.int32)])
-        mm[start:stop] = target_features(target, block, taps)[: stop - start].astype(np.float16)
+        feats = target_features(target, block, taps).astype(np.float16)
+        for i in range(start, stop):
+            mm[view.offsets[i] : view.offsets[i] + lengths[i]] = feats[i - start, : lengths[i]]
         mm.flush()
         state["done"] = stop
         state_path.write_text(json.dumps(state))
-    np.save(feat_dir / "tokens.npy", tokens)
-    np.save(feat_dir / "loss_mask.npy", mask)
-    return tokens, mask, np.memmap(path, np.float16, mode="r", shape=shape)
+    return tokens, mask, PackedFeatures(np.memmap(path, np.float16, mode="r", shape=shape), lengths, max_len)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,180 @@
+"""The training corpus at scale: shard format round trip, balanced batching, packed features, and the
+committed SmolLM2 corpus (manifest checksums, held-out disjointness)."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspine_jax.target import load_target
+from dspine_jax.train import corpus
+from dspine_jax.train.data import (
+    DOMAINS, PLAN_FILE, PackedFeatures, build_features, load_heldout, load_sequences, read_plan, target_features,
+)  # fmt: skip
+
+COMMITTED = Path(__file__).resolve().parents[1] / "experiments" / "data" / "smollm2-v2"
+
+
+def _write_plan(out: Path, records: list[dict]) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    with lzma.open(out / PLAN_FILE, "wt", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps({k: r[k] for k in ("domain", "source", "messages")}) + "\n")
+    return read_plan(out)
+
+
+def _fake_plan(n: int, rng: np.random.Generator) -> list[dict]:
+    return [
+        {"domain": DOMAINS[i % 4], "source": f"fake/{i}", "messages": [{"role": "user", "content": f"q{i}"}],
+         "prompt_ids": rng.integers(0, 49152, rng.integers(1, 30)).tolist()}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def test_shards_round_trip_through_load_sequences(tmp_path):
+    rng = np.random.default_rng(0)
+    records = _fake_plan(21, rng)
+    plan = _write_plan(tmp_path, records)
+    for p, r in zip(plan, records):
+        p["prompt_ids"] = r["prompt_ids"]
+    (tmp_path / "shards").mkdir()
+    batches = corpus.batches(plan, 3)
+    expected = []
+    for i, rows in enumerate(batches):
+        responses = [rng.integers(0, 49152, rng.integers(0, 12)).tolist() for _ in rows]
+        finishes = ["stop" if len(x) % 2 else "length" for x in responses]
+        corpus.write_shard(tmp_path / "shards" / f"{i:05d}.npz", rows, responses, finishes)
+        expected += [(r["key"], r["domain"], r["prompt_ids"], x, f) for r, x, f in zip(rows, responses, finishes)]
+    got = [(r["key"], r["domain"], r["prompt_ids"], r["response_ids"], r["finish"]) for r in load_sequences(tmp_path)]
+    assert got == expected
+
+
+def test_batches_are_single_domain_sorted_and_cover_the_plan():
+    rng = np.random.default_rng(1)
+    plan = _fake_plan(50, rng)
+    for i, r in enumerate(plan):
+        r["row"] = i
+    batches = corpus.batches(plan, 4)
+    assert sorted(r["row"] for b in batches for r in b) == list(range(50))
+    for b in batches:
+        assert len({r["domain"] for r in b}) == 1 and len(b) <= 4
+        lengths = [len(r["prompt_ids"]) for r in b]
+        assert lengths == sorted(lengths)
+    # Any prefix of whole chunks is balanced: each chunk of 4 domains x 4 rows holds 4 of each.
+    first_chunk = [r["domain"] for b in batches[:4] for r in b]
+    assert all(first_chunk.count(d) == 4 for d in DOMAINS)
+
+
+def test_packed_features_index_like_a_padded_array():
+    rng = np.random.default_rng(2)
+    lengths = np.array([3, 1, 5, 4])
+    padded = np.zeros((4, 6, 2, 3), np.float16)
+    for i, n in enumerate(lengths):
+        padded[i, :n] = rng.standard_normal((n, 2, 3))
+    flat = np.concatenate([padded[i, :n] for i, n in enumerate(lengths)])
+    view = PackedFeatures(flat, lengths, 6)
+    assert view.shape == padded.shape and len(view) == 4
+    np.testing.assert_array_equal(view[np.array([2, 0, 3])], padded[[2, 0, 3]])
+    np.testing.assert_array_equal(view[1], padded[[1]])
+
+
+@pytest.mark.slow
+def test_build_features_packed_equals_target_forward(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path / "cache"))
+    model_dir = tiny_models["llama"][0]
+    rng = np.random.default_rng(3)
+    records = _fake_plan(6, rng)
+    for r in records:
+        r["prompt_ids"] = rng.integers(3, 128, rng.integers(2, 9)).tolist()
+    data = tmp_path / "corpus"
+    plan = _write_plan(data, records)
+    for p, r in zip(plan, records):
+        p["prompt_ids"] = r["prompt_ids"]
+    (data / "shards").mkdir()
+    responses = [rng.integers(3, 128, n).tolist() for n in (4, 9, 1, 6, 12, 3)]
+    corpus.write_shard(data / "shards" / "00000.npz", plan, responses, ["stop"] * 6)
+    taps = (0, 2)
+    tokens, mask, feats = build_features(str(model_dir), data, taps, max_len=16, chunk=4, progress=False)
+    assert not any(data.rglob("*.f16")), "features must live in the user cache, not beside the corpus"
+    want = target_features(load_target(model_dir), tokens, taps)
+    got = feats[np.arange(6)].astype(np.float32)
+    for i, r in enumerate(load_sequences(data)):
+        n = min(len(r["prompt_ids"]) + len(r["response_ids"]), 16)
+        np.testing.assert_allclose(got[i, :n], want[i, :n], atol=2e-2, rtol=2e-2)  # float16 storage
+        assert not got[i, n:].any()
+        assert mask[i].sum() == n - len(r["prompt_ids"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The committed corpus
+
+
+def _committed() -> Path:
+    if not (COMMITTED / "manifest.json").exists():
+        pytest.fail(f"the committed corpus is missing: {COMMITTED}")
+    return COMMITTED
+
+
+def test_committed_corpus_matches_its_manifest():
+    import hashlib
+
+    root = _committed()
+    manifest = json.loads((root / "manifest.json").read_text())
+    shards = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / "shards").glob("*.npz"))}
+    assert shards == manifest["shards"]
+    assert hashlib.sha256((root / PLAN_FILE).read_bytes()).hexdigest() == manifest["plan_sha256"]
+    rows = load_sequences(root)
+    assert len(rows) == manifest["sequences"]
+    assert sum(len(r["response_ids"]) for r in rows) == manifest["response_tokens"]
+    for d in DOMAINS:
+        assert sum(r["domain"] == d for r in rows) == manifest["per_domain"][d]["sequences"]
+    assert all(0 <= t < 49152 for r in rows[:200] for t in r["prompt_ids"] + r["response_ids"])
+
+
+def test_committed_corpus_is_disjoint_from_heldout():
+    root = _committed()
+    held = load_heldout(root)  # raises if a held-out key is among the regenerated rows
+    assert set(held) == set(DOMAINS) and all(len(v) >= 8 for v in held.values())
+    plan = read_plan(root)
+    held_keys = {r["key"] for rs in held.values() for r in rs}
+    assert not held_keys & {r["key"] for r in plan}
+    held_tasks = {r["source"].split("/", 1)[1] for r in held["code"]}
+    assert not {r["source"].split("/", 1)[1] for r in plan if r["source"].startswith("humaneval")} & held_tasks
+    spans = [r["source"].split("/")[1:] for r in held["prose"]]
+    for r in plan:
+        if r["source"].startswith("gutenberg/"):
+            _, stem, span = r["source"].split("/")
+            start, length = map(int, re.fullmatch(r"(\d+)\+(\d+)", span).groups())
+            for held_stem, held_start in spans:
+                if held_stem == stem:
+                    assert start + length <= int(held_start) or int(held_start) + 60 <= start, r["source"]
+
+
+@pytest.mark.slow
+def test_regeneration_resumes_by_row_with_another_batch_size(tiny_models, tmp_path):
+    from dspine_jax.generate import generate
+
+    target = load_target(tiny_models["llama"][0])
+    rng = np.random.default_rng(4)
+    records = _fake_plan(14, rng)
+    for r in records:
+        r["prompt_ids"] = rng.integers(3, 128, rng.integers(2, 9)).tolist()
+    plan = _write_plan(tmp_path, records)
+    for p, r in zip(plan, records):
+        p["prompt_ids"] = r["prompt_ids"]
+    corpus.regenerate_rows(target, plan, tmp_path, tokens=20, batch_size=2, max_new_tokens=5, progress=False)
+    first = load_sequences(tmp_path)
+    assert 20 <= sum(len(r["response_ids"]) for r in first) < 20 + 2 * 5  # stops at the first batch past the target
+    corpus.regenerate_rows(target, plan, tmp_path, tokens=10**6, batch_size=3, max_new_tokens=5, progress=False)
+    rows = load_sequences(tmp_path)
+    assert sorted(r["key"] for r in rows) == sorted(p["key"] for p in plan)  # every prompt exactly once
+    assert rows[: len(first)] == first  # the first run's shards are kept as they were
+    by_key = {r["key"]: r for r in rows}
+    want = generate(target, [p["prompt_ids"] for p in plan[:2]], max_new_tokens=5)
+    for p, ids in zip(plan[:2], want.token_ids):
+        assert by_key[p["key"]]["response_ids"] == ids
