@@ -246,8 +246,9 @@ def write_shard(path: Path, rows: list[dict], responses: list[list[int]], finish
         "response_len": np.asarray([len(x) for x in responses], np.int32),
         "finish": np.asarray([FINISH_CODES[f] for f in finishes], np.int8),
     }
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, **arrays)
     tmp.rename(path)
 
 

@@ -308,7 +308,8 @@ def read_shard(path: Path, plan: list[dict]) -> list[dict]:
 
 
 def shard_paths(corpus_dir: Path) -> list[Path]:
-    return sorted((Path(corpus_dir) / "shards").glob("[0-9]*.npz"))
+    """Finished shards in order (a shard being written has a temporary name)."""
+    return sorted(p for p in (Path(corpus_dir) / "shards").glob("*.npz") if re.fullmatch(r"\d{5}\.npz", p.name))
 
 
 def load_sequences(data_dir: Path) -> list[dict]:
