@@ -8,7 +8,7 @@ cache, and drafts a whole block in one forward::
 
     cache = init_draft_cache(drafter, batch, capacity)                  # empty, lengths = 0
     cache = append_context(drafter, cache, tapped, num_new)             # tapped [n, B, T, H], num_new [B]
-    out   = draft(drafter, target, cache, anchor, key, temperature)     # anchor [B] int32
+    out   = draft(drafter, target, cache, anchor, key, temperature, top_p, top_k)  # anchor [B] int32
     out.tokens   [B, P]     int32    proposals for block slots 1…P (P = block_size - 1)
     out.cand_ids [B, P, C]  int32    the candidates each proposal was drawn from
     out.q        [B, P, C]  float32  draft distribution over those candidates (zero mass elsewhere;
@@ -29,10 +29,13 @@ cache, and drafts a whole block in one forward::
   ``temperature`` is a traced float32 scalar: ``<= 0`` means greedy, so one compilation serves both.
 * DFlash mode: in-block attention as configured (bidirectional by default), no injection, each slot
   decoded independently from its own logits; C = vocab size (``cand_ids`` is ``arange(V)``), so ``q`` is
-  the full ``softmax(logits / temperature)`` exactly as z-lab's sampler.
+  ``sampling.sampling_probs(logits, temperature, top_p, top_k)``: the target's own sampling transform,
+  exactly as z-lab's ``dflash_generate`` builds its draft distribution.
 * DSpine mode: causal in-block attention, injection after every layer, C = ``top_k`` candidates from the
-  unary logits, last-write refinement (LWR) table ``[B, P, C, C]`` and a left-to-right ``lax.scan``
-  over table look-ups; at temperature > 0 slot i samples from ``softmax(T[i, k_prev, :] / temperature)``.
+  unary logits (the drafter config's ``top_k``, not the sampling one), last-write refinement (LWR) table
+  ``[B, P, C, C]`` and a left-to-right ``lax.scan`` over table look-ups; at temperature > 0 slot i samples
+  from ``softmax(T[i, k_prev, :] / temperature)`` (top-p / top-k sampling filters do not apply: the walk
+  is already restricted to the C candidates, like z-lab's DFlash2 ``propose``).
 
 Draft context cache
 ===================
@@ -65,6 +68,7 @@ from dspine_jax.cache import KV_AXES, LENGTHS_AXES, sharded_zeros
 from dspine_jax.drafter_config import DrafterConfig
 from dspine_jax.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.mesh import per_device
+from dspine_jax.sampling import process_logits
 from dspine_jax.target import Target, lm_logits
 from kernels.pallas import draft_attention as _attention_kernel
 from kernels.pallas import transition_cache as _transition_kernel
@@ -447,9 +451,13 @@ def walk_sequential(
 
 
 def decode(
-    drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, key: Array, temperature: Array
+    drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, key: Array, temperature: Array,
+    top_p: Array | float = 1.0, top_k: int = 0,
 ) -> DraftOutput:
-    """Proposals for slots 1..P from one block forward (see the module doc for the two modes)."""
+    """Proposals for slots 1..P from one block forward (see the module doc for the two modes).
+
+    ``top_p`` (traced) and ``top_k`` (static) are the sampling filters of the target's distribution; the
+    DFlash draft distribution uses the same ones (DSpine's walk ignores them)."""
     config = drafter.config
     logits = unary_logits(drafter, target, fwd.hidden[:, 1:])  # [B, P, V]
     b, p, v = logits.shape
@@ -466,18 +474,26 @@ def decode(
     else:
         scores, cand_ids = jax.lax.top_k(logits, config.top_k)
         cand_ids = cand_ids.astype(jnp.int32)
+    # z-lab samples each slot from the target's sampling transform (temperature, then top-k, then top-p),
+    # so q has the same support as p. Greedy stays the argmax: the filters always keep the top logit.
+    temperature = jnp.asarray(temperature, jnp.float32)
+    greedy = temperature <= 0
+    scores = process_logits(scores, jnp.where(greedy, 1.0, temperature), top_p, top_k)
+    unit = jnp.where(greedy, 0.0, 1.0)  # the temperature is already applied
     # Slots are independent in DFlash; same per-slot key schedule as the walk.
-    index, q = jax.vmap(choose, in_axes=(1, 0, None), out_axes=(1, 1))(scores, jax.random.split(key, p), temperature)
+    index, q = jax.vmap(choose, in_axes=(1, 0, None), out_axes=(1, 1))(scores, jax.random.split(key, p), unit)
     tokens = jnp.take_along_axis(cand_ids, index[..., None], axis=-1)[..., 0]
     return DraftOutput(tokens=tokens, cand_ids=cand_ids, q=q)
 
 
 def draft(
-    drafter: Drafter, target: Target, cache: DraftCache, anchor: Array, key: Array, temperature: Array
+    drafter: Drafter, target: Target, cache: DraftCache, anchor: Array, key: Array, temperature: Array,
+    top_p: Array | float = 1.0, top_k: int = 0,
 ) -> DraftOutput:
-    """One round's draft: ``anchor [B]`` at position ``cache.lengths`` → ``DraftOutput`` (module doc)."""
+    """One round's draft: ``anchor [B]`` at position ``cache.lengths`` → ``DraftOutput`` (module doc).
+    Under ``jax.jit`` pass ``top_k`` as a static argument."""
     fwd = forward(drafter, target, cache, block_tokens(drafter, anchor))
-    return decode(drafter, target, fwd, anchor, key, temperature)
+    return decode(drafter, target, fwd, anchor, key, temperature, top_p, top_k)
 
 
 def q_full(out: DraftOutput, vocab_size: int) -> Array:

@@ -100,6 +100,20 @@ class DrafterConfig:
         return out
 
 
+def with_dspine_settings(config: DrafterConfig, **updates: Any) -> DrafterConfig:
+    """``config`` with training-only ``dspine_config`` knobs replaced (e.g. the ``alignment_warmup_steps``
+    a run really used), so a saved checkpoint records them. The modelled fields (rank, width, top-k)
+    cannot change this way: they fix tensor shapes."""
+    unknown = set(updates) - set(DSPINE_DEFAULTS)
+    fixed = set(updates) & {"transfer_rank", "message_size", "top_k"}
+    if not config.is_dspine or unknown or fixed:
+        bad = sorted(unknown | fixed) or sorted(updates)
+        raise DrafterConfigError(f"cannot set dspine_config {bad} on this drafter")
+    raw = json.loads(config.raw_json)
+    raw["dspine_config"] = {**(raw.get("dspine_config") or {}), **updates}
+    return dataclasses.replace(config, raw_json=json.dumps(raw, sort_keys=True))
+
+
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """The reference default tap layers: evenly spaced from 1 to N-3 (36 layers, 5 taps → 1,9,17,25,33).
 

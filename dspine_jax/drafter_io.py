@@ -226,6 +226,41 @@ def _resolve_dtype(dtype: str | jnp.dtype | None, target: Target) -> jnp.dtype:
     return dtype
 
 
+def default_mask_token_id(target: Target, tokenizer: Any = None) -> int:
+    """The mask token a *new* drafter embeds in block slots 1…B-1: a dedicated token the target never reads
+    in ordinary text (z-lab / SpecForge pick one the same way; a checkpoint's own ``mask_token_id`` is
+    always respected when it is loaded).
+
+    In order: the tokenizer's mask token; else the first embedding row no token uses (``len(tokenizer) <
+    vocab_size``: z-lab's Qwen3 drafters use 151669 that way); else the highest-id special token that is not
+    BOS/EOS/PAD/UNK and does not occur in the chat template (SmolLM2: 16 ``<empty_output>``, a StarCoder
+    notebook marker chat never produces; Llama 3: its last ``<|reserved_special_token_*|>``); else (no
+    tokenizer, or no such token) the highest id that is not the target's BOS/EOS/PAD. Never the pad id by
+    default: SmolLM2's pad is ``<|im_end|>`` (id 2), its end-of-turn/EOS token, which the drafter also sees
+    as an anchor and in the context.
+    """
+    tc = target.config
+    v = tc.vocab_size
+    reserved = {tc.bos_token_id, tc.pad_token_id, *tc.eos_token_ids}
+    if tokenizer is not None:
+        mask = getattr(tokenizer, "mask_token_id", None)
+        if mask is not None and 0 <= mask < v:
+            return int(mask)
+        size = len(tokenizer)
+        if size < v:
+            return size
+        reserved |= {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+        template = getattr(tokenizer, "chat_template", None) or ""
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        special = [
+            i for i, tok in decoder.items()
+            if getattr(tok, "special", False) and i not in reserved and 0 <= i < v and str(tok) not in template
+        ]  # fmt: skip
+        if special:
+            return max(special)
+    return next(i for i in range(v - 1, -1, -1) if i not in reserved)
+
+
 def init_drafter(
     target: Target,
     kind: str = "dspine",
@@ -245,6 +280,7 @@ def init_drafter(
     initializer_range: float = 0.02,
     seed: int = 0,
     dtype: str | jnp.dtype | None = None,
+    tokenizer: Any = None,
 ) -> Drafter:
     """A fresh drafter for ``target``, initialised the way SpecForge does.
 
@@ -254,7 +290,8 @@ def init_drafter(
     exactly a causal DFlash; readouts = the PCA directions of the transfer space.
 
     Defaults: heads/head_dim/intermediate/eps/rope from the target; ``target_layer_ids`` evenly spaced
-    (z-lab's rule, one tap per drafter layer); ``mask_token_id`` = the target's pad id, else V-1;
+    (z-lab's rule, one tap per drafter layer); ``mask_token_id`` = ``default_mask_token_id(target,
+    tokenizer)`` (pass the target's tokenizer: it knows which tokens are unused);
     ``transfer_rank`` = min(1024, H, V-1); ``message_size`` = max(1, min(512, R/2)); unwindowed
     attention unless ``sliding_window`` is given (then every layer slides). DFlash in-block attention is
     bidirectional unless ``is_causal``. ``top_k`` is DSpine's candidate count C; a DFlash drafter always
@@ -266,7 +303,7 @@ def init_drafter(
     h, v = tc.hidden_size, tc.vocab_size
     ids = tuple(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(tc.num_layers, num_layers)
     if mask_token_id is None:
-        mask_token_id = tc.pad_token_id if tc.pad_token_id is not None else v - 1
+        mask_token_id = default_mask_token_id(target, tokenizer)
     cfg: dict[str, Any] = {
         "architectures": ["DSpineDraftModel" if kind == "dspine" else "DFlashDraftModel"],
         "model_type": "qwen3",

@@ -25,8 +25,10 @@ slots) instead of a drafter.
 
 Capacity: the target cache gets ``T`` slack slots past the planned capacity (which is the AR
 baseline's), so a verify block never writes past the buffer while row budgets stay exactly those of
-``generate`` (at most ``capacity - prompt + 1`` tokens per row). Greedy speculative output therefore
-equals greedy ``generate`` output token for token, model position limit included.
+``generate`` (at most ``capacity - prompt + 1`` tokens per row; a ``max_new_tokens`` no row can reach
+is rejected by ``plan_request``, and the padded prompt is never wider than the planned capacity).
+Greedy speculative output therefore equals greedy ``generate`` output token for token, model position
+limit included.
 
 Letters as in layers.py: B batch, T verify block (anchor + P proposals), V vocab, C candidates, H width.
 """
@@ -36,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -47,7 +48,7 @@ from jax import Array
 
 from dspine_jax import target as tgt
 from dspine_jax.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache
-from dspine_jax.generate import GenerationResult, _round_up, finish_reasons, plan_request
+from dspine_jax.generate import CompileTimer, GenerationResult, _round_up, finish_reasons, plan_request
 from dspine_jax.sampling import sample, sampling_probs
 
 TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
@@ -79,10 +80,12 @@ class Proposer(Protocol):
         ...
 
     def propose(
-        self, target: tgt.Target, state: Any, anchor: Array, counts: Array, key: Array, temperature: Array, num: int
+        self, target: tgt.Target, state: Any, anchor: Array, counts: Array, key: Array, temperature: Array, num: int,
+        top_p: Array | float = 1.0, top_k: int = 0,
     ) -> DraftOutput:
         """``anchor [B]``, ``counts [B]`` tokens generated so far (the anchor is the last of them) →
-        ``num`` proposals per row with their draft distribution (ignored at temperature 0)."""
+        ``num`` proposals per row with their draft distribution (ignored at temperature 0). ``top_p`` /
+        ``top_k``: the target's sampling filters, for proposers that draw from the same transform."""
         ...
 
     def commit(self, target: tgt.Target, state: Any, tapped: Array, num_new: Array) -> Any:
@@ -107,14 +110,15 @@ class DrafterProposer:
         return append_context(self.drafter, state, tapped, lengths)
 
     def propose(
-        self, target: tgt.Target, state, anchor: Array, counts: Array, key: Array, temperature: Array, num: int
+        self, target: tgt.Target, state, anchor: Array, counts: Array, key: Array, temperature: Array, num: int,
+        top_p: Array | float = 1.0, top_k: int = 0,
     ) -> DraftOutput:
         drafter = self.drafter
         # A causal drafter's first `num` slots do not depend on later ones: draft a shorter block
         # (cheaper). A bidirectional one was trained on its full block: draft it all, verify a prefix.
         if num + 1 < drafter.config.block_size and all(drafter.config.layer_causal):
             drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
-        out = draft(drafter, target, state, anchor, key, temperature)
+        out = draft(drafter, target, state, anchor, key, temperature, top_p, top_k)
         return DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
 
     def commit(self, target: tgt.Target, state, tapped: Array, num_new: Array):
@@ -146,7 +150,8 @@ class OracleProposer:
         return state
 
     def propose(
-        self, target: tgt.Target, state: Array, anchor: Array, counts: Array, key: Array, temperature: Array, num: int
+        self, target: tgt.Target, state: Array, anchor: Array, counts: Array, key: Array, temperature: Array, num: int,
+        top_p: Array | float = 1.0, top_k: int = 0,
     ) -> DraftOutput:
         slots = jnp.arange(num)[None, :]  # [1, P]
         index = jnp.clip(counts[:, None] + slots, 0, self.reference.shape[1] - 1)  # [B, P]
@@ -160,6 +165,31 @@ class OracleProposer:
         return state + 1
 
 
+def _parse_init_draft(text: str) -> tuple[str, int] | None:
+    """``init:KIND[:BLOCK]`` → (kind, block size); ``None`` for anything else (a checkpoint path)."""
+    if not text.startswith("init:"):
+        return None
+    parts = text.split(":")
+    block = parts[2] if len(parts) == 3 else "16"
+    if len(parts) not in (2, 3) or parts[1] not in ("dspine", "dflash") or not block.isdigit() or int(block) < 2:
+        raise ValueError(f"{text!r}: expected init:dspine, init:dflash or init:KIND:BLOCK (BLOCK >= 2)")
+    return parts[1], int(block)
+
+
+def draft_block_size(spec: str | os.PathLike) -> int:
+    """The block size a ``--draft`` value stands for, checked without loading any weights (the CLI
+    validates its arguments with it before the slow model load)."""
+    from dspine_jax.drafter_config import load_drafter_config
+
+    text = os.fspath(spec)
+    init = _parse_init_draft(text)
+    if init is not None:
+        return init[1]
+    if not os.path.isdir(text):
+        raise FileNotFoundError(f"{text!r} is not a directory (a drafter checkpoint), nor init:dspine / init:dflash")
+    return load_drafter_config(text).block_size
+
+
 def load_draft(spec: str | os.PathLike, target: tgt.Target, dtype: str | None = None) -> Drafter:
     """A ``--draft`` CLI value → Drafter: a checkpoint directory (``load_drafter``), or ``init:dspine`` /
     ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
@@ -167,12 +197,9 @@ def load_draft(spec: str | os.PathLike, target: tgt.Target, dtype: str | None = 
     from dspine_jax.drafter_io import init_drafter, load_drafter
 
     text = os.fspath(spec)
-    if text.startswith("init:"):
-        parts = text.split(":")
-        if len(parts) not in (2, 3) or parts[1] not in ("dspine", "dflash"):
-            raise ValueError(f"--draft {text!r}: expected init:dspine, init:dflash or init:KIND:BLOCK")
-        block = int(parts[2]) if len(parts) == 3 else 16
-        return init_drafter(target, parts[1], block_size=block, dtype=dtype)
+    init = _parse_init_draft(text)
+    if init is not None:
+        return init_drafter(target, init[0], block_size=init[1], dtype=dtype)
     return load_drafter(text, target, dtype=dtype)
 
 
@@ -282,6 +309,8 @@ def loop_impl(
     accepted_hist = jnp.zeros((batch, out_width), jnp.int32)
     rounds = jnp.zeros((batch,), jnp.int32)
     draft_temperature = jnp.float32(0.0) if greedy else temperature  # the drafter reads <= 0 as greedy
+    # The drafter's q uses the target's sampling filters (z-lab's rule); greedy drafts need none.
+    draft_top_p, draft_top_k = (jnp.float32(1.0), 0) if greedy else (top_p, top_k)
     rows = jnp.arange(batch)
     slots = jnp.arange(t)[None, :]  # [1, T]
 
@@ -298,7 +327,10 @@ def loop_impl(
         anchor = jnp.take_along_axis(out, (counts - 1)[:, None], axis=1)[:, 0]  # [B]
 
         # 1. draft
-        proposal = proposer.propose(target, carry["state"], anchor, counts, key_draft, draft_temperature, p_num)
+        proposal = proposer.propose(
+            target, carry["state"], anchor, counts, key_draft, draft_temperature, p_num, top_p=draft_top_p,
+            top_k=draft_top_k,
+        )
         block = jnp.concatenate([anchor[:, None], proposal.tokens.astype(jnp.int32)], axis=1)  # [B, T]
         # 2. verify
         hidden, tapped, cache, saved = tgt.forward(target, carry["cache"], block, proposer.taps, return_replay=True)
@@ -416,15 +448,20 @@ class SpeculativeResult(GenerationResult):
         return sum(map(sum, self.acceptance_lengths)) / steps if steps else float("nan")
 
 
+def check_block_size(block_size: int, limit: int | None) -> None:
+    """A verify length is the anchor plus at least one proposal, and at most the drafter's block (``limit``)."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+        raise ValueError(f"block_size must be an integer >= 2 (anchor + proposals), got {block_size!r}")
+    if limit is not None and block_size > limit:
+        raise ValueError(f"block_size {block_size} exceeds the drafter's block size {limit}")
+
+
 def resolve_verify_length(proposer: Proposer, batch: int, block_size: int | None, sps_table) -> int:
     """``block_size`` if given, else the sps table's entry for ``batch``, else the drafter's block size;
     capped at the drafter's block size."""
     limit = proposer.drafter.config.block_size if isinstance(proposer, DrafterProposer) else None
     if block_size is not None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
-            raise ValueError(f"block_size must be an integer >= 2 (anchor + proposals), got {block_size!r}")
-        if limit is not None and block_size > limit:
-            raise ValueError(f"block_size {block_size} exceeds the drafter's block size {limit}")
+        check_block_size(block_size, limit)
         return block_size
     if sps_table is not None:
         length = verify_length_for_batch(load_sps_table(sps_table), batch)
@@ -468,29 +505,25 @@ def speculative_generate(
     key_prefill, key_loop = jax.random.split(jax.random.key(seed))
     temp, top_p_arr = jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p)
 
-    start = time.perf_counter()
-    cache, state, first = prefill(
-        target, proposer, tokens, lengths, key_prefill, temp, top_p_arr,
+    clock = CompileTimer()  # compilation timed apart from prefill and decode (see generate)
+    (cache, state, first), prefill_seconds = clock.run(
+        prefill, target, proposer, tokens, lengths, key_prefill, temp, top_p_arr,
         capacity=capacity + verify_len, top_k=top_k, greedy=greedy,
     )
-    first.block_until_ready()
-    mid = time.perf_counter()
-    out, counts, stopped, kept, accepted, rounds, iterations, _, _ = speculative_loop(
-        target, proposer, cache, state, first, key_loop, temp, top_p_arr, jnp.asarray(stops, jnp.int32),
-        jnp.int32(max_new_tokens), out_width=_round_up(max_new_tokens, TOKEN_BUCKET), verify_len=verify_len,
-        top_k=top_k, greedy=greedy,
+    loop_out, decode_seconds = clock.run(
+        speculative_loop, target, proposer, cache, state, first, key_loop, temp, top_p_arr,
+        jnp.asarray(stops, jnp.int32), jnp.int32(max_new_tokens), out_width=_round_up(max_new_tokens, TOKEN_BUCKET),
+        verify_len=verify_len, top_k=top_k, greedy=greedy,
     )
-    out, counts, stopped, kept, accepted, rounds, iterations = jax.device_get(
-        (out, counts, stopped, kept, accepted, rounds, iterations)
-    )
-    end = time.perf_counter()
+    out, counts, stopped, kept, accepted, rounds, iterations = jax.device_get(loop_out[:7])
 
     n = len(rows)
     return SpeculativeResult(
         token_ids=[out[i, : counts[i]].tolist() for i in range(n)],
         finish_reasons=finish_reasons(counts, stopped, max_new_tokens),
-        prefill_seconds=mid - start,
-        decode_seconds=end - mid,
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        compile_seconds=clock.seconds,
         acceptance_lengths=[kept[i, : rounds[i]].tolist() for i in range(n)],
         accepted_proposals=[accepted[i, : rounds[i]].tolist() for i in range(n)],
         verify_length=verify_len,

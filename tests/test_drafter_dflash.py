@@ -1,4 +1,8 @@
-"""DFlash backbone vs the z-lab reference (``dflash==0.1.0``), context cache across rounds, ring buffer."""
+"""DFlash vs the z-lab reference (``dflash==0.1.0``): backbone logits across rounds with the context cache,
+sliding layers, and the draft distribution built with the target's sampling transform.
+
+Only the z-lab parity checks live here (they need ``dflash``); the context cache's own checks (ragged
+rows, ring buffer) are in test_drafter_cache.py."""
 
 from __future__ import annotations
 
@@ -8,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import require
+from drafter_helpers import append, block_logits, tapped_features
 
 from dspine_jax import drafter as D
-from dspine_jax.drafter_io import init_drafter, load_drafter
-from dspine_jax.target import forward as target_forward
-from dspine_jax.target import init_cache, load_target
+from dspine_jax.drafter_io import load_drafter
 
-torch = pytest.importorskip("torch")
-dflash_model = pytest.importorskip("dflash.model")
+torch = require("torch")
+dflash_model = require("dflash.model")
 
 BLOCK = 4
 MASK_ID = 5
@@ -52,12 +56,6 @@ def make_zlab_drafter(out_dir: Path, seed: int, **overrides) -> dflash_model.DFl
     return model
 
 
-@pytest.fixture(scope="module")
-def qwen3_target(tiny_models):
-    model_dir, hf_model = tiny_models["qwen3"]
-    return load_target(model_dir), hf_model
-
-
 def zlab_round(model, hf_target, ctx_features, anchor: int, start: int, cache) -> np.ndarray:
     """One z-lab draft forward (exactly dflash_generate's call) → logits of slots 1.. [P, V]."""
     n_ctx = ctx_features.shape[1]
@@ -83,20 +81,6 @@ def hf_taps(hf_target, tokens: np.ndarray) -> torch.Tensor:
     return dflash_model.extract_context_feature(out.hidden_states, TAPS)  # [1, T, n*H]
 
 
-@jax.jit
-def _logits(drafter, target, cache, anchor):
-    fwd = D.forward(drafter, target, cache, D.block_tokens(drafter, anchor))
-    return D.unary_logits(drafter, target, fwd.hidden[:, 1:])
-
-
-# Jitted so the tests do not pay op-by-op dispatch on a busy 2-core machine.
-append = jax.jit(D.append_context)
-
-
-def our_logits(drafter, target, cache, anchor) -> np.ndarray:
-    return np.asarray(_logits(drafter, target, cache, jnp.asarray(anchor, jnp.int32)))
-
-
 def test_matches_zlab_across_two_rounds(qwen3_target, tmp_path):
     target, hf_target = qwen3_target
     model = make_zlab_drafter(tmp_path / "zlab", seed=3)
@@ -106,20 +90,18 @@ def test_matches_zlab_across_two_rounds(qwen3_target, tmp_path):
     seq = np.random.RandomState(0).randint(3, 128, size=12)
     prompt, produced = 7, 3  # round 2 commits the anchor + 2 accepted tokens
     feats = hf_taps(hf_target, seq)
-    _, tapped, _ = target_forward(
-        target, init_cache(target, 1, 32), jnp.asarray(seq)[None], drafter.config.target_layer_ids
-    )
+    tapped = tapped_features(target, seq[None], drafter.config.target_layer_ids)
 
     zcache = dflash_model._make_cache(model.config)
     ref1 = zlab_round(model, hf_target, feats[:, :prompt], int(seq[prompt]), prompt, zcache)
     cache = append(drafter, D.init_draft_cache(drafter, 1, 32), tapped[:, :, :prompt], jnp.array([prompt]))
-    np.testing.assert_allclose(our_logits(drafter, target, cache, [seq[prompt]])[0], ref1, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(block_logits(drafter, target, cache, [seq[prompt]])[0], ref1, atol=1e-4, rtol=1e-4)
 
     start = prompt + produced
     ref2 = zlab_round(model, hf_target, feats[:, prompt:start], int(seq[start]), start, zcache)
     cache = append(drafter, cache, tapped[:, :, prompt : prompt + BLOCK], jnp.array([produced]))
     assert int(cache.lengths[0]) == start
-    np.testing.assert_allclose(our_logits(drafter, target, cache, [seq[start]])[0], ref2, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(block_logits(drafter, target, cache, [seq[start]])[0], ref2, atol=1e-4, rtol=1e-4)
 
 
 def test_matches_zlab_sliding_layers_causal_by_default(qwen3_target, tmp_path):
@@ -147,98 +129,49 @@ def test_matches_zlab_sliding_layers_causal_by_default(qwen3_target, tmp_path):
         prompt,
         dflash_model._make_cache(model.config),
     )
-    _, tapped, _ = target_forward(
-        target, init_cache(target, 1, 32), jnp.asarray(seq)[None], drafter.config.target_layer_ids
-    )
+    tapped = tapped_features(target, seq[None], drafter.config.target_layer_ids)
     cache = append(drafter, D.init_draft_cache(drafter, 1, 32), tapped[:, :, :prompt], jnp.array([prompt]))
-    np.testing.assert_allclose(our_logits(drafter, target, cache, [seq[prompt]])[0], ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(block_logits(drafter, target, cache, [seq[prompt]])[0], ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspine"])
-def test_ragged_batch_equals_single_rows(qwen3_target, kind):
-    """Rows with their own lengths, committed in two uneven appends, draft exactly as they would alone."""
+@pytest.fixture(scope="module")
+def zlab_drafter_round(qwen3_target, tmp_path_factory):
+    """A z-lab drafter loaded as ours, its context committed, and its block logits (the backbone's parity
+    with z-lab is checked above; here the decode head's transform of the same logits is)."""
     target, _ = qwen3_target
-    drafter = init_drafter(
-        target,
-        kind=kind,
-        num_layers=2,
-        block_size=BLOCK,
-        transfer_rank=16,
-        message_size=8,
-        top_k=4,
-        target_layer_ids=TAPS,
-        initializer_range=0.2,
-    )
-    rng = np.random.RandomState(2)
-    seqs = rng.randint(3, 128, size=(2, 12))
-    _, tapped, _ = target_forward(target, init_cache(target, 2, 32), jnp.asarray(seqs), drafter.config.target_layer_ids)
-    first, second = np.array([7, 4]), np.array([2, 3])
-    cache = append(drafter, D.init_draft_cache(drafter, 2, 32), tapped[:, :, :8], jnp.asarray(first))
-    # Second append: each row's new features start at its own length.
-    block = np.stack([np.asarray(tapped[:, b, first[b] : first[b] + 4]) for b in range(2)], axis=1)
-    cache = append(drafter, cache, jnp.asarray(block), jnp.asarray(second))
-    anchors = seqs[np.arange(2), first + second]
-    batched = our_logits(drafter, target, cache, anchors)
-    for b in range(2):
-        n = first[b] + second[b]
-        alone = append(
-            drafter, D.init_draft_cache(drafter, 1, 32), tapped[:, b : b + 1], jnp.array([n])
-        )  # padding past n is ignored
-        np.testing.assert_allclose(
-            batched[b], our_logits(drafter, target, alone, anchors[b : b + 1])[0], atol=1e-5, rtol=1e-5
-        )
+    path = tmp_path_factory.mktemp("zlab") / "drafter"
+    make_zlab_drafter(path, seed=5)
+    drafter = load_drafter(path, target)
+    seq = np.random.RandomState(4).randint(3, 128, size=9)
+    prompt, anchor = 8, int(seq[8])
+    cache = append(
+        drafter, D.init_draft_cache(drafter, 1, 32), tapped_features(target, seq[None, :prompt], TAPS),
+        jnp.array([prompt]),
+    )  # fmt: skip
+    return target, drafter, cache, jnp.array([anchor], jnp.int32), block_logits(drafter, target, cache, [anchor])[0]
 
 
-def test_ring_buffer_window_equals_unbounded_cache(qwen3_target):
-    """A windowed drafter's W-1-slot ring, wrapped several times by many small appends, drafts exactly
-    like a cache that holds the whole history."""
-    target, _ = qwen3_target
-    window = 5
-    drafter = init_drafter(
-        target,
-        kind="dspine",
-        num_layers=2,
-        block_size=BLOCK,
-        transfer_rank=16,
-        message_size=8,
-        top_k=4,
-        target_layer_ids=TAPS,
-        sliding_window=window,
-        initializer_range=0.2,
-    )
-    ring = D.init_draft_cache(drafter, 1, 64)
-    assert ring.capacity == window - 1
-    b, kh, _, d = ring.k[0].shape
-    unbounded = tuple(jnp.zeros((b, kh, 64, d), ring.k[0].dtype) for _ in ring.k)
-    full = D.DraftCache(k=unbounded, v=unbounded, lengths=ring.lengths)
-    seq = np.random.RandomState(3).randint(3, 128, size=(1, 24))
-    _, tapped, _ = target_forward(target, init_cache(target, 1, 32), jnp.asarray(seq), drafter.config.target_layer_ids)
-    pos = 0
-    for n in [6, 3, 1, 4, 2]:  # the first append is longer than the ring
-        chunk = tapped[:, :, pos : pos + 6]
-        chunk = jnp.pad(chunk, ((0, 0), (0, 0), (0, 6 - chunk.shape[2]), (0, 0)))
-        ring = append(drafter, ring, chunk, jnp.array([n]))
-        full = append(drafter, full, chunk, jnp.array([n]))
-        pos += n
-        anchor = seq[:, pos]
-        np.testing.assert_allclose(
-            our_logits(drafter, target, ring, anchor), our_logits(drafter, target, full, anchor), atol=1e-5, rtol=1e-5
-        )
+draft = jax.jit(D.draft, static_argnames="top_k")
 
 
-def test_dflash_decode_greedy_and_sampling(qwen3_target, tmp_path):
-    target, _ = qwen3_target
-    make_zlab_drafter(tmp_path / "zlab", seed=5)
-    drafter = load_drafter(tmp_path / "zlab", target)
-    seq = np.random.RandomState(4).randint(3, 128, size=(1, 8))
-    _, tapped, _ = target_forward(target, init_cache(target, 1, 32), jnp.asarray(seq), drafter.config.target_layer_ids)
-    cache = append(drafter, D.init_draft_cache(drafter, 1, 32), tapped, jnp.array([8]))
-    anchor = jnp.array([7], jnp.int32)
-    logits = our_logits(drafter, target, cache, anchor)
-    step = jax.jit(D.draft)
-    greedy = step(drafter, target, cache, anchor, jax.random.PRNGKey(0), jnp.float32(0.0))
-    np.testing.assert_array_equal(np.asarray(greedy.tokens), logits.argmax(-1))
+def test_dflash_greedy_draft_is_the_argmax(zlab_drafter_round):
+    target, drafter, cache, anchor, logits = zlab_drafter_round
+    greedy = draft(drafter, target, cache, anchor, jax.random.PRNGKey(0), jnp.float32(0.0))
+    np.testing.assert_array_equal(np.asarray(greedy.tokens)[0], logits.argmax(-1))
     assert greedy.q.shape == (1, BLOCK - 1, 128)  # DFlash: C = V, candidates = the vocabulary
-    hot = step(drafter, target, cache, anchor, jax.random.PRNGKey(1), jnp.float32(0.7))
-    np.testing.assert_allclose(np.asarray(hot.q), np.asarray(jax.nn.softmax(logits / 0.7, axis=-1)), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(D.q_full(hot, 128)), np.asarray(hot.q), atol=0)
+    np.testing.assert_array_equal(np.asarray(greedy.q)[0], np.eye(128)[logits.argmax(-1)])
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 1.0, 0), (0.7, 1.0, 5), (1.3, 0.6, 0), (0.9, 0.8, 7)])
+def test_dflash_draft_distribution_is_zlabs(zlab_drafter_round, temperature, top_p, top_k):
+    """z-lab's ``dflash_generate`` draws the proposals from ``_sampling_probs(draft_logits, temperature,
+    top_p, top_k)`` — the target's own transform — so q has p's filters: top-k / top-p support only."""
+    target, drafter, cache, anchor, logits = zlab_drafter_round
+    out = draft(drafter, target, cache, anchor, jax.random.PRNGKey(1), jnp.float32(temperature), top_p, top_k)
+    zlab_q = dflash_model._sampling_probs(torch.tensor(logits), temperature, top_p, top_k).numpy()
+    q = np.asarray(D.q_full(out, 128))[0]
+    np.testing.assert_allclose(q, zlab_q, atol=1e-6)
+    if top_k:
+        assert ((q > 0).sum(-1) <= top_k).all()
+    tokens = np.asarray(out.tokens)[0]
+    assert (q[np.arange(BLOCK - 1), tokens] > 0).all()  # proposals drawn from q itself

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import require
 from safetensors.numpy import load_file, save_file
 
 from dspine_jax import drafter as D
@@ -70,15 +71,13 @@ def test_save_load_round_trip_is_bit_exact(target, tmp_path, kind, dtype):
 
 def test_saved_dflash_loads_in_zlab_reference(target, tmp_path):
     """Our DFlash layout is the z-lab one: ``from_pretrained`` finds every tensor and nothing extra."""
-    torch = pytest.importorskip("torch")
-    dflash_model = pytest.importorskip("dflash.model")
+    dflash_model = require("dflash.model")
     drafter = init_drafter(target, kind="dflash", num_layers=2, block_size=4, target_layer_ids=TAPS, seed=2)
     save_drafter(drafter, tmp_path / "d")
     model, info = dflash_model.DFlashDraftModel.from_pretrained(str(tmp_path / "d"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert model.target_layer_ids == TAPS and model.block_size == 4
     np.testing.assert_array_equal(model.fc.weight.detach().numpy(), np.asarray(drafter.params.fc).T)
-    del torch
 
 
 @pytest.fixture()
@@ -180,6 +179,38 @@ def test_missing_or_uninitialised_codes_are_recomputed(target, dspine_dir):
         dspine_dir, lambda t: t.update(transfer_codes=np.zeros((128, 12), np.float32), transfer_ready=np.array(False))
     )
     np.testing.assert_array_equal(np.asarray(load_drafter(dspine_dir, target).params.transfer_codes), expected)
+
+
+class FakeTokenizer:
+    """The attributes ``default_mask_token_id`` reads from a transformers tokenizer."""
+
+    def __init__(self, size: int, special: dict[int, str], template: str = "", mask: int | None = None) -> None:
+        from transformers import AddedToken
+
+        self.size, self.mask_token_id, self.chat_template = size, mask, template
+        self.added_tokens_decoder = {i: AddedToken(text, special=True) for i, text in special.items()}
+        self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id = 1, 2, 2, 0
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def test_mask_token_is_dedicated_and_a_checkpoints_own_is_kept(target, dspine_dir):
+    """New drafters get a token the target never reads in text (tiny target: pad 0, BOS 1, EOS 2, V 128)."""
+    from dspine_jax.drafter_io import default_mask_token_id
+
+    specials = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>", 3: "<file_sep>", 4: "<turn>", 5: "<empty>"}
+    template = "{{ '<|im_start|>' + m['content'] + '<turn>' + '<|im_end|>' }}"
+    assert default_mask_token_id(target, FakeTokenizer(128, specials, mask=9)) == 9  # the tokenizer's MASK
+    assert default_mask_token_id(target, FakeTokenizer(120, specials)) == 120  # first unused embedding row
+    assert default_mask_token_id(target, FakeTokenizer(128, specials, template)) == 5  # last special chat never uses
+    in_template = FakeTokenizer(128, {**specials, 5: "<|im_end|>x"}, template + "<|im_end|>x")
+    assert default_mask_token_id(target, in_template) == 3
+    assert default_mask_token_id(target) == 127  # no tokenizer: the highest id that is not BOS/EOS/PAD
+    assert init_drafter(target, "dflash", num_layers=1, block_size=4).config.mask_token_id == 127  # not the pad id 0
+    # A checkpoint's own mask token is what it was trained with: loading keeps it.
+    _edit_config(dspine_dir, lambda c: c["dflash_config"].update(mask_token_id=0))
+    assert load_drafter(dspine_dir, target).config.mask_token_id == 0
 
 
 def test_config_defaults_follow_the_reference():

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafter_helpers import with_random_injection
 from jax.experimental import pallas as pl
 
 from dspine_jax import drafter as D
@@ -306,16 +307,7 @@ def drafters(tiny_models):
         target, kind="dspine", num_layers=2, block_size=8, transfer_rank=12, message_size=8, top_k=4,
         target_layer_ids=(0, 1), sliding_window=6, initializer_range=0.2, seed=5,
     )  # fmt: skip
-    keys = jax.random.split(jax.random.PRNGKey(11), 4)
-    inj = dspine.params.injection
-    inj = inj.replace(
-        writes=tuple(
-            jax.random.normal(k, w.shape) / np.sqrt(8) for k, w in zip(jax.random.split(keys[0], 2), inj.writes)
-        ),
-        predecessor_gate=jax.random.normal(keys[1], inj.predecessor_gate.shape) / np.sqrt(12),
-        bias=0.1 * jax.random.normal(keys[2], inj.bias.shape),
-    )
-    dspine = dspine.replace(params=dspine.params.replace(injection=inj))
+    dspine = with_random_injection(dspine, seed=11)
     dflash = init_drafter(
         target, kind="dflash", num_layers=1, block_size=4, target_layer_ids=(0, 1), initializer_range=0.2, seed=6
     )
@@ -346,26 +338,37 @@ def test_draft_identical_with_interpret_forced(drafters):
             np.testing.assert_allclose(np.asarray(ker.q), np.asarray(ref.q), rtol=1e-5, atol=1e-6)
 
 
-def test_transition_reference_matches_the_drafter(drafters):
-    """The kernel module's reference, fed the drafter's own per-slot inputs, is drafter.transition_table."""
+def lwr_table_float64(drafter: D.Drafter, target, pre: np.ndarray, cand: np.ndarray, anchor: np.ndarray) -> np.ndarray:
+    """``T[b, i, k, j] = ⟨LWR(pre_i, √R·C[pred_{i,k}]), head[cand_{i,j}]⟩`` written from DESIGN.md §2.2 in
+    float64 numpy on the drafter's raw weights: nothing from drafter.py or transition_cache.py."""
+    f64 = lambda x: np.asarray(x, np.float64)
+    inj, config = drafter.params.injection, drafter.config
+    last, r, h = config.num_layers - 1, config.transfer_rank, config.hidden_size
+    pre = f64(pre)  # [B, P, H]
+    preds = np.concatenate([np.broadcast_to(anchor[:, None, None], cand[:, :1].shape), cand[:, :-1]], axis=1)
+    code = np.sqrt(r) * f64(drafter.params.transfer_codes)[preds]  # [B, P, C, R]
+    readout = pre @ f64(inj.readouts[last])
+    feature = np.sqrt(r) * readout / np.maximum(np.linalg.norm(readout, axis=-1, keepdims=True), 1e-12)
+    logit = (feature @ f64(inj.receiver_gate))[:, :, None] + code @ f64(inj.predecessor_gate) + f64(inj.bias)
+    gate = 1 / (1 + np.exp(-logit))
+    delta = (gate * (code @ f64(inj.message))) @ f64(inj.writes[last])  # [B, P, C, H]
+    written = pre[:, :, None] + np.linalg.norm(pre, axis=-1, keepdims=True)[:, :, None] / np.sqrt(h) * delta
+    refined = f64(drafter.params.norm) * written / np.sqrt((written**2).mean(-1, keepdims=True) + config.rms_norm_eps)
+    rows = np.moveaxis(f64(target.params.lm_head)[:, cand], 0, -1)  # [B, P, C, H]
+    return np.einsum("bpkh,bpjh->bpkj", refined, rows)
+
+
+@pytest.mark.parametrize("mode", ["reference", "interpret"])
+def test_transition_table_matches_an_independent_float64_lwr(drafters, mode):
+    """``drafter.transition_table`` through the dispatcher — the jnp reference, or the Pallas kernel in
+    interpret mode — against the float64 restatement above, on the drafter's own per-slot inputs."""
     target, [(drafter, cache), _] = drafters
     anchor = jnp.array([4, 50, 99], jnp.int32)
-
-    @jax.jit
-    def both(drafter, cache):
-        fwd = D.forward(drafter, target, cache, D.block_tokens(drafter, anchor))
-        pre = fwd.pre_injection[:, 1:]
-        logits = D.unary_logits(drafter, target, fwd.hidden[:, 1:])
-        cand = jax.lax.top_k(logits, drafter.config.top_k)[1].astype(jnp.int32)
-        inj, last = drafter.params.injection, drafter.config.num_layers - 1
-        preds = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], cand[:, :1].shape), cand[:, :-1]], axis=1)
-        receiver = D._feature(pre, inj.readouts[last], drafter.config.transfer_rank) @ inj.receiver_gate
-        weights = TC.LWRWeights(inj.predecessor_gate, inj.message, inj.bias, inj.writes[last], drafter.params.norm)
-        ours = TC.transition_scores_reference(
-            pre, receiver, D._code(drafter, preds), D._head_rows(target, cand), weights, drafter.config.rms_norm_eps
-        )
-        return ours, D.transition_table(drafter, target, pre, cand, anchor)
-
-    with dispatch.force("reference"):
-        ours, table = both(drafter, cache)
-    np.testing.assert_array_equal(np.asarray(ours), np.asarray(table))
+    fwd = jax.jit(D.forward)(drafter, target, cache, D.block_tokens(drafter, anchor))
+    pre = fwd.pre_injection[:, 1:]
+    cand = jax.lax.top_k(D.unary_logits(drafter, target, fwd.hidden[:, 1:]), drafter.config.top_k)[1].astype(jnp.int32)
+    with dispatch.force(mode):
+        table = jax.jit(D.transition_table)(drafter, target, pre, cand, anchor)
+    ref = lwr_table_float64(drafter, target, np.asarray(pre), np.asarray(cand), np.asarray(anchor))
+    assert np.abs(ref - ref[:, :, :1]).max() > 1e-2  # the table depends on the predecessor
+    assert_close(table, ref, 1e-5)

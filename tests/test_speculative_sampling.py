@@ -3,47 +3,47 @@
 Statistical tests, all at fixed seeds (so each is deterministic; the false-failure rate below is the
 chance that a *correct* implementation fails for a fresh seed). Each check is a chi-square
 goodness-of-fit test of observed counts against the exact distribution of plain sampling (computed
-from the target's logits with ``sampling_probs``), with bins of expected count < 5 pooled, at
-significance ALPHA = 1e-4 per check (Wilson–Hilferty quantile; 6 checks → ≤ 6e-4 overall). A token
-drawn where plain sampling has probability exactly 0 (filtered by top-k / top-p) fails outright.
+from the target's logits with ``sampling_probs``), with bins of expected count < 5 pooled. The critical
+value is the exact chi-square quantile ``scipy.stats.chi2.ppf(1 - ALPHA, dof)`` for the pooled bins'
+degrees of freedom, ALPHA = 1e-4 per check, so a correct implementation fails one of the 5 checks for a
+fresh seed with probability ≤ 5e-4. A token drawn where plain sampling has probability exactly 0
+(filtered by top-k / top-p) fails outright.
 
 * ``accept_sampling`` alone, 200k rows with fixed logits and a poor full-vocabulary draft distribution:
   the first emitted token, the second given the first proposal was kept, and the bonus after a full
   accept, each against its slot's target distribution (temperature / top-k / top-p applied).
 * End to end (prefill + while_loop, ``jax.vmap``-ed over 20480 seeds, one prompt): the joint
-  distribution of the first 3 generated tokens on a vocab-8 target (512 cells) with a fresh random
-  DSpine drafter (top-4 candidates, verify 2: exercises the residual over candidates and the bonus)
-  and a fresh random DFlash drafter with temperature 0.8, top-k 5, top-p 0.9 (verify 4).
+  distribution of the first 4 generated tokens on a vocab-6 target (1296 cells) with verify length 4, so
+  tokens 2–4 come from one round's 3 proposals (kept, or the residual at the first rejection, or the
+  bonus): a DSpine drafter with random non-zero injection weights (its q at slot i depends on the token
+  chosen at slot i-1 through the LWR table; top-4 candidates, residual over candidates) and a DFlash
+  drafter with temperature 0.8, top-k 5, top-p 0.9 (its q built with the same filters).
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_tiny_hf_model
+from drafter_helpers import append, forward, tapped_features, with_random_injection
+from flax import struct
+from scipy import stats
 
+from dspine_jax import drafter as D
 from dspine_jax import target as tgt
 from dspine_jax.drafter import DraftOutput
 from dspine_jax.drafter_io import init_drafter
 from dspine_jax.sampling import sampling_probs
-from dspine_jax.speculative import DrafterProposer, accept_sampling, generate_impl
+from dspine_jax.speculative import DrafterProposer, OracleProposer, accept_sampling, generate_impl, speculative_generate
 from dspine_jax.target import load_target
 
-ALPHA = 1e-4
-Z_ALPHA = 3.719016485455709  # standard normal upper quantile at ALPHA
-
-
-def chi2_quantile(dof: int, z: float = Z_ALPHA) -> float:
-    """Wilson–Hilferty approximation of the chi-square upper quantile (accurate to <1% for dof ≥ 3)."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+ALPHA = 1e-4  # per-check false-failure probability
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
-    """Statistic and threshold for observed ``counts`` against exact ``probs`` (same shape)."""
+    """Statistic and critical value for observed ``counts`` against exact ``probs`` (same shape)."""
     counts, probs = counts.ravel().astype(np.float64), probs.ravel().astype(np.float64)
     n = counts.sum()
     assert counts[probs == 0].sum() == 0, "a token plain sampling can never draw was drawn"
@@ -55,7 +55,7 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
     keep = exp > 0
     obs, exp = obs[keep], exp[keep]
     stat = float(((obs - exp) ** 2 / exp).sum())
-    return stat, chi2_quantile(len(obs) - 1)
+    return stat, float(stats.chi2.ppf(1 - ALPHA, len(obs) - 1))
 
 
 def assert_fits(counts: np.ndarray, probs: np.ndarray) -> None:
@@ -96,58 +96,109 @@ def test_accept_sampling_matches_target_distribution():
 # End to end
 
 
-PROMPT = [3, 5, 7, 4, 6]
-V = 8
+PROMPT = [3, 5, 1, 4, 2]  # ids < V
+V = 6
+N_TOKENS = 4
 SAMPLES, CHUNK = 20480, 4096
 
 
 @pytest.fixture(scope="module")
 def small_vocab_target(tmp_path_factory):
-    model_dir, _ = make_tiny_hf_model("llama", tmp_path_factory.mktemp("v8") / "llama", seed=2, vocab_size=V)
+    model_dir, _ = make_tiny_hf_model("llama", tmp_path_factory.mktemp("v6") / "llama", seed=2, vocab_size=V)
     return load_target(model_dir)
 
 
 def exact_joint(target, temperature: float, top_p: float, top_k: int) -> np.ndarray:
-    """P(t1, t2, t3) under plain sampling: ``[V, V, V]`` from the logits of every 2-token continuation."""
+    """P(t1 … t_N) under plain sampling, ``[V] * N``, from the logits of every (N-1)-token continuation."""
     n = len(PROMPT)
-    seqs = np.array([[*PROMPT, a, b] for a in range(V) for b in range(V)], np.int32)
-    hidden, _, _ = tgt.forward(target, tgt.init_cache(target, len(seqs), n + 2), jnp.asarray(seqs))
+    tails = np.stack(np.meshgrid(*[np.arange(V)] * (N_TOKENS - 1), indexing="ij"), -1).reshape(-1, N_TOKENS - 1)
+    seqs = np.concatenate([np.broadcast_to(PROMPT, (len(tails), n)), tails], axis=1).astype(np.int32)
+    hidden, _, _ = tgt.forward(target, tgt.init_cache(target, len(seqs), seqs.shape[1]), jnp.asarray(seqs))
     p = np.asarray(sampling_probs(tgt.lm_logits(target, hidden), temperature, top_p, top_k), np.float64)
-    p1, p2, p3 = p[0, n - 1], p[::V, n].reshape(V, V), p[:, n + 1].reshape(V, V, V)
-    return p1[:, None, None] * p2[:, :, None] * p3
+    p = p.reshape(*[V] * (N_TOKENS - 1), seqs.shape[1], V)  # [tail…, position, next]
+    joint = p[(0,) * (N_TOKENS - 1) + (n - 1,)]  # t1 does not depend on the tail
+    for i in range(1, N_TOKENS):  # t_{i+1} given t_1…t_i: the row whose tail starts with them
+        index = (slice(None),) * i + (0,) * (N_TOKENS - 1 - i) + (n - 1 + i,)
+        joint = joint[..., None] * p[index]
+    return joint
 
 
-def sample_first_three(target, proposer, temperature: float, top_p: float, top_k: int, verify_len: int):
+def sample_first_tokens(target, proposer, temperature: float, top_p: float, top_k: int, verify_len: int):
     tokens = jnp.asarray([PROMPT + [0] * (16 - len(PROMPT))], jnp.int32)
     lengths = jnp.asarray([len(PROMPT)], jnp.int32)
 
     def one(key):  # one row per seed; vmap turns seeds into the batch
         return generate_impl(
             target, proposer, tokens, lengths, key, jnp.float32(temperature), jnp.float32(top_p),
-            jnp.asarray([-1], jnp.int32), jnp.int32(3),
-            capacity=16, out_width=3, verify_len=verify_len, top_k=top_k, greedy=False,
+            jnp.asarray([-1], jnp.int32), jnp.int32(N_TOKENS),
+            capacity=16, out_width=N_TOKENS, verify_len=verify_len, top_k=top_k, greedy=False,
         )
 
     run = jax.jit(jax.vmap(one))
     outs, accepted = [], []
     for chunk in range(SAMPLES // CHUNK):
         out, counts, _, _, acc, rounds, *_ = run(jax.random.split(jax.random.key(100 + chunk), CHUNK))
-        assert (np.asarray(counts) == 3).all()
-        outs.append(np.asarray(out)[:, 0, :3])
+        assert (np.asarray(counts) == N_TOKENS).all()
+        outs.append(np.asarray(out)[:, 0, :N_TOKENS])
         accepted.append(np.asarray(acc)[:, 0, 0])
     return np.concatenate(outs), np.concatenate(accepted)
 
 
+def make_drafter(target, kind: str):
+    drafter = init_drafter(target, kind, num_layers=1, block_size=4, top_k=4, seed=5, initializer_range=0.2)
+    if kind == "dspine":
+        # Writes ×4: the injection is strong enough that q reported from the wrong predecessor's table row
+        # fails the fit (tried: χ² 2879 against the 997 critical value; the correct walk gives 814).
+        drafter = with_random_injection(drafter, seed=7, scale=4.0)
+        # The point of the DSpine case: q at slot i ≥ 2 must depend on the token chosen at slot i-1.
+        tapped = tapped_features(target, [PROMPT], drafter.config.target_layer_ids)
+        cache = append(drafter, D.init_draft_cache(drafter, 1, 16), tapped, jnp.array([len(PROMPT)]))
+        anchor = jnp.array([PROMPT[-1]], jnp.int32)
+        fwd = forward(drafter, target, cache, D.block_tokens(drafter, anchor))
+        cand = jax.lax.top_k(D.unary_logits(drafter, target, fwd.hidden[:, 1:]), 4)[1].astype(jnp.int32)
+        table = jax.nn.softmax(D.transition_table(drafter, target, fwd.pre_injection[:, 1:], cand, anchor), axis=-1)
+        assert float(jnp.abs(table[:, 1:] - table[:, 1:, :1]).max()) > 0.1
+    return drafter
+
+
 @pytest.mark.parametrize(
     "kind,temperature,top_p,top_k,verify_len",
-    [("dspine", 1.0, 1.0, 0, 2), ("dflash", 0.8, 0.9, 5, 4)],
+    [("dspine", 1.0, 0.9, 0, 4), ("dflash", 0.8, 0.9, 5, 4)],
 )
 def test_speculative_sampling_joint_distribution(small_vocab_target, kind, temperature, top_p, top_k, verify_len):
     target = small_vocab_target
-    drafter = init_drafter(target, kind, num_layers=1, block_size=4, top_k=4, seed=5)
-    samples, accepted = sample_first_three(target, DrafterProposer(drafter), temperature, top_p, top_k, verify_len)
+    drafter = make_drafter(target, kind)
+    samples, accepted = sample_first_tokens(target, DrafterProposer(drafter), temperature, top_p, top_k, verify_len)
     # A poor drafter: proposals are both rejected and accepted (fully, too) often.
     assert 0.05 < (accepted == 0).mean() < 0.95 and (accepted == verify_len - 1).mean() > 0.02
-    counts = np.zeros((V, V, V), np.int64)
-    np.add.at(counts, (samples[:, 0], samples[:, 1], samples[:, 2]), 1)
+    counts = np.zeros((V,) * N_TOKENS, np.int64)
+    np.add.at(counts, tuple(samples.T), 1)
     assert_fits(counts, exact_joint(target, temperature, top_p, top_k))
+
+
+@struct.dataclass
+class SpyProposer(OracleProposer):
+    """Records the sampling filters the loop hands the proposer (``top_k`` at trace, ``top_p`` per round)."""
+
+    def propose(self, target, state, anchor, counts, key, temperature, num, top_p=1.0, top_k=0):
+        SEEN["top_k"].add(top_k)
+        jax.debug.callback(lambda value: SEEN["top_p"].add(round(float(value), 6)), top_p)
+        return super().propose(target, state, anchor, counts, key, temperature, num, top_p, top_k)
+
+
+SEEN: dict[str, set] = {}
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.8, 0.7, 3), (0.0, 0.7, 3)])
+def test_loop_passes_the_sampling_filters_to_the_drafter(small_vocab_target, temperature, top_p, top_k):
+    """The draft distribution can only use p's transform if the loop passes it (greedy needs none)."""
+    SEEN.update(top_k=set(), top_p=set())
+    reference = jnp.zeros((1, 16), jnp.int32)
+    spy = SpyProposer(reference=reference, accept=jnp.zeros((1, 1), jnp.int32), vocab_size=V)
+    speculative_generate(
+        small_vocab_target, spy, [PROMPT], 6, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=[],
+        block_size=3,
+    )
+    jax.effects_barrier()  # debug callbacks run asynchronously
+    expected = ({top_k}, {top_p}) if temperature > 0 else ({0}, {1.0})
+    assert (SEEN["top_k"], SEEN["top_p"]) == expected

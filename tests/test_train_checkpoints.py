@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from conftest import missing_reference, require
 
 from dspine_jax import generate, load_drafter, load_target, load_tokenizer, speculative_generate
+from dspine_jax.drafter_io import default_mask_token_id
 from dspine_jax.generate import encode_prompt
 
 pytestmark = pytest.mark.slow
@@ -21,26 +24,52 @@ def smollm2():
     return load_target("smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct")
 
 
+def shipped(kind: str) -> Path:
+    if not (CKPTS[kind] / "model.safetensors").exists():
+        missing_reference(f"shipped checkpoint {CKPTS[kind]}")
+    return CKPTS[kind]
+
+
 @pytest.mark.parametrize("kind", ["dspine", "dflash"])
 def test_shipped_drafter_loads_and_is_greedy_exact(smollm2, kind):
-    if not (CKPTS[kind] / "model.safetensors").exists():
-        pytest.skip(f"{CKPTS[kind]} not shipped")
     target, tokenizer = smollm2
-    drafter = load_drafter(CKPTS[kind], target)
+    drafter = load_drafter(shipped(kind), target)
     assert drafter.config.kind == kind and drafter.config.block_size == 16 and drafter.config.num_layers == 5
+    # The weights were trained with the mask token their config records (the target's pad id, 2); loading
+    # must keep it even though new drafters default to a dedicated token.
+    assert drafter.config.mask_token_id == 2 != default_mask_token_id(target, tokenizer)
     assert (CKPTS[kind] / "model.safetensors").stat().st_size <= 60 * 2**20
     prompts = [encode_prompt(tokenizer, "Write a Python function that returns the sum of a list.", chat=True),
                encode_prompt(tokenizer, "What is 17 times 3?", chat=True)]  # fmt: skip
     ref = generate(target, prompts, 32)
     spec = speculative_generate(target, drafter, prompts, 32)
     assert spec.token_ids == ref.token_ids
-    assert spec.mean_acceptance >= 1.0
+    # A trained drafter really drafts: measured τ 1.95 (DSpine) / 1.46 (DFlash) here; a fresh drafter, or
+    # this one with a wrong mask token or mis-loaded weights, gets ~1.0.
+    assert spec.mean_acceptance > 1.2
+
+
+def test_smollm2_mask_token_is_dedicated(smollm2):
+    """SmolLM2's pad id 2 is ``<|im_end|>``, its EOS / end of turn, which the drafter also reads as anchor and
+    context; its vocabulary has no unused row, so new drafters take its last special token no chat uses."""
+    target, tokenizer = smollm2
+    assert tokenizer.convert_ids_to_tokens(target.config.pad_token_id) == "<|im_end|>" == tokenizer.eos_token
+    mask = default_mask_token_id(target, tokenizer)
+    assert (mask, tokenizer.convert_ids_to_tokens(mask)) == (16, "<empty_output>")
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert mask not in tokenizer.encode(chat)
+
+
+def test_shipped_dspine_config_records_its_training_warmup():
+    """The card's reproduce command is the run's; the config's training knobs must be the ones it used."""
+    readme = (shipped("dspine") / "README.md").read_text().split()
+    warmup = int(readme[readme.index("--alignment-warmup-steps") + 1])
+    config = json.loads((CKPTS["dspine"] / "config.json").read_text())
+    assert config["dspine_config"]["alignment_warmup_steps"] == warmup
 
 
 def test_shipped_dflash_loads_in_zlab_reference():
-    dflash_model = pytest.importorskip("dflash.model")
-    if not (CKPTS["dflash"] / "model.safetensors").exists():
-        pytest.skip("dflash checkpoint not shipped")
-    model, info = dflash_model.DFlashDraftModel.from_pretrained(str(CKPTS["dflash"]), output_loading_info=True)
+    dflash_model = require("dflash.model")
+    model, info = dflash_model.DFlashDraftModel.from_pretrained(str(shipped("dflash")), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.block_size == 16

@@ -14,6 +14,10 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
+
+# Runs recorded before --loss-decay-gamma existed trained both kinds with γ = 7.
+LEGACY_GAMMA = 7.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +43,54 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transfer-rank", type=int, default=64)
     ap.add_argument("--message-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--alignment-warmup-steps", type=int, default=None)
+    ap.add_argument("--alignment-warmup-steps", type=int, default=None, help="DSpine β warm-up (default: the config's)")
+    ap.add_argument("--loss-decay-gamma", type=float, default=None,
+                    help="position decay γ of the loss weights exp(-(k-1)/γ); default: SpecForge's "
+                    "(DSpine 7, DFlash none); 0: none")
+    ap.add_argument("--mask-token-id", type=int, default=None,
+                    help="block mask token; default: a dedicated unused token (drafter_io.default_mask_token_id)")
     ap.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--no-progress", action="store_true")
     return ap
+
+
+def train_config(run: dict[str, Any]):
+    """The ``TrainConfig`` of a run (its ``run.json`` / argument dict)."""
+    from dspine_jax.train.loop import TrainConfig
+
+    return TrainConfig(
+        steps=run["steps"], batch_size=run["batch_size"], anchors=run["anchors"], lr=run["lr"], seed=run["seed"],
+        checkpoint_every=run.get("checkpoint_every", 25), eval_every=run.get("eval_every", 0),
+        alignment_warmup_steps=run.get("alignment_warmup_steps"), gamma=run.get("loss_decay_gamma", LEGACY_GAMMA),
+    )  # fmt: skip
+
+
+def build_drafter(target, run: dict[str, Any]):
+    """The run's freshly initialised drafter (``card.export_step`` rebuilds it the same way to restore a
+    checkpoint). Runs recorded before ``--mask-token-id`` existed used the target's pad id."""
+    from dspine_jax.drafter_io import init_drafter
+
+    mask = run.get("mask_token_id")
+    if mask is None:
+        pad = target.config.pad_token_id
+        mask = pad if pad is not None else target.config.vocab_size - 1
+    return init_drafter(
+        target, kind=run["kind"], num_layers=run["layers"], intermediate_size=run["intermediate_size"],
+        transfer_rank=run["transfer_rank"] if run["kind"] == "dspine" else None,
+        message_size=run["message_size"] if run["kind"] == "dspine" else None,
+        block_size=run["block_size"], seed=run["seed"], mask_token_id=mask,
+    )  # fmt: skip
+
+
+def _tokenizer_or_none(source: str):
+    """The target's tokenizer, or None (a bare model directory): it tells which token ids are unused."""
+    from dspine_jax.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(source)
+    except (OSError, ValueError) as e:
+        print(f"no tokenizer for {source} ({type(e).__name__}); the mask token is chosen from the vocabulary alone")
+        return None
 
 
 def make_eval_fn(target, data_dir: Path, per_domain: int, max_new_tokens: int = 32):
@@ -69,38 +117,35 @@ def main(argv: list[str] | None = None) -> None:
     import jax.numpy as jnp
 
     from dspine_jax.drafter_config import build_target_layer_ids
-    from dspine_jax.drafter_io import init_drafter, save_drafter
+    from dspine_jax.drafter_io import default_mask_token_id, save_drafter
     from dspine_jax.generate import enable_compilation_cache
     from dspine_jax.target import load_target
     from dspine_jax.train.data import build_features
-    from dspine_jax.train.loop import Dataset, TrainConfig, train
+    from dspine_jax.train.loop import Dataset, train
 
     enable_compilation_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     run_file = args.out / "run.json"
     run = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "stop_at", "no_progress")}
-    if args.resume and run_file.exists():
-        previous = json.loads(run_file.read_text())
+    previous = json.loads(run_file.read_text()) if args.resume and run_file.exists() else None
+    if previous is not None:
+        # A resumed run keeps the mask token and γ it trained with unless they are given again.
+        for key, legacy in (("mask_token_id", None), ("loss_decay_gamma", LEGACY_GAMMA)):
+            if run[key] is None:
+                run[key] = previous.get(key, legacy)
         changed = {k: (previous.get(k), v) for k, v in run.items() if k in previous and previous[k] != v and k not in ("eval_every", "eval_prompts", "checkpoint_every", "export_dtype")}
         if changed:
             raise SystemExit(f"--resume with different arguments than the run in {args.out}: {changed}")
-    run_file.write_text(json.dumps(run, indent=2) + "\n")
 
     target = load_target(args.target)
+    if run["mask_token_id"] is None and previous is None:
+        run["mask_token_id"] = default_mask_token_id(target, _tokenizer_or_none(args.target))
+    run_file.write_text(json.dumps(run, indent=2) + "\n")
     taps = build_target_layer_ids(target.config.num_layers, args.layers)
     tokens, mask, features = build_features(args.target, args.data, taps, args.max_len, progress=not args.no_progress)
     dataset = Dataset(tokens, mask, features)
-    drafter = init_drafter(
-        target, kind=args.kind, num_layers=args.layers, intermediate_size=args.intermediate_size,
-        transfer_rank=args.transfer_rank if args.kind == "dspine" else None,
-        message_size=args.message_size if args.kind == "dspine" else None,
-        block_size=args.block_size, seed=args.seed,
-    )  # fmt: skip
-    cfg = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, anchors=args.anchors, lr=args.lr, seed=args.seed,
-        checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-        alignment_warmup_steps=args.alignment_warmup_steps,
-    )  # fmt: skip
+    drafter = build_drafter(target, run)
+    cfg = train_config(run)
     eval_fn = make_eval_fn(target, args.data, args.eval_prompts) if args.eval_every else None
     t0 = time.time()
     drafter, history = train(

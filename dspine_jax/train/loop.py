@@ -26,6 +26,7 @@ import optax
 from jax import Array
 
 from dspine_jax.drafter import Drafter, _code, refine
+from dspine_jax.drafter_config import DrafterConfig, with_dspine_settings
 from dspine_jax.train.losses import (
     alignment_terms,
     ce_terms,
@@ -47,13 +48,34 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    gamma: float = 7.0  # position decay
+    # Position decay γ of the slot weights exp(-(k-1)/γ). None: the reference default for the drafter kind
+    # (REFERENCE_GAMMA); 0: no decay.
+    gamma: float | None = None
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 10
     eval_every: int = 0  # 0: no periodic τ
     alignment_warmup_steps: int | None = None  # None: the drafter config's
+
+
+# SpecForge's defaults: OnlineDSpineModel sets loss_decay_gamma = 7 when unset; the DFlash objective's
+# training.loss_decay_gamma defaults to None (no decay; its example recipes set 7 explicitly).
+REFERENCE_GAMMA: dict[str, float | None] = {"dspine": 7.0, "dflash": None}
+
+
+def loss_decay_gamma(kind: str, gamma: float | None) -> float | None:
+    """The γ the objective applies for a ``kind`` drafter given ``TrainConfig.gamma`` (None = no decay)."""
+    if gamma is None:
+        return REFERENCE_GAMMA[kind]
+    return float(gamma) if gamma > 0 else None
+
+
+def training_drafter_config(config: DrafterConfig, cfg: TrainConfig) -> DrafterConfig:
+    """The drafter config with the training knobs ``cfg`` overrides, so the export records what was used."""
+    if config.is_dspine and cfg.alignment_warmup_steps is not None:
+        return with_dspine_settings(config, alignment_warmup_steps=int(cfg.alignment_warmup_steps))
+    return config
 
 
 @dataclasses.dataclass
@@ -96,9 +118,10 @@ def objective(
     keep: Array,
     replace: Array | None,
     beta: Array,
-    gamma: float,
+    gamma: float | None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Loss and metrics for one batch (the DFlash CE or the full DSpine objective)."""
+    """Loss and metrics for one batch (the DFlash CE or the full DSpine objective); ``gamma`` is the
+    resolved position decay (``loss_decay_gamma``; None = none)."""
     drafter = Drafter(params=trainable.replace(transfer_codes=codes), config=config)
     tokens, mask = batch["tokens"], batch["loss_mask"]
     s = tokens.shape[1]
@@ -111,6 +134,7 @@ def objective(
     in_mask = jnp.take_along_axis(mask[:, None, :], safe, axis=2)
     supervised = (pos < s) & keep[..., None] & in_mask  # [B, A, P]
     weights = slot_weights(supervised, gamma)
+    supervised = slot_weights(supervised, None) > 0  # metrics count the slots the loss weighs (cumulative mask)
     denominator = jnp.maximum(weights.sum(), 1e-6)
     count = jnp.maximum(supervised.sum(), 1)
     hidden = fwd.hidden[:, :, 1:]
@@ -184,10 +208,11 @@ def _global_norm(tree) -> Array:
 
 def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation):
     """The jitted train step ``(trainable, opt_state, codes, embed, lm_head, batch, step) →
-    (trainable, opt_state, metrics)``; randomness from ``fold_in(key(seed), step)``."""
-    settings = dict(config.dspine_settings) if config.is_dspine else {}
-    if settings and cfg.alignment_warmup_steps is not None:
-        settings["alignment_warmup_steps"] = cfg.alignment_warmup_steps
+    (trainable, opt_state, metrics)``; randomness from ``fold_in(key(seed), step)``. The DSpine schedule
+    reads ``training_drafter_config(config, cfg)``: the settings the exported config records."""
+    config = training_drafter_config(config, cfg)
+    settings = config.dspine_settings if config.is_dspine else {}
+    gamma = loss_decay_gamma(config.kind, cfg.gamma)
 
     def step_fn(trainable, opt_state, codes, embed, lm_head, batch, step):
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
@@ -198,7 +223,7 @@ def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation)
             beta, probability = dspine_schedule(step, cfg.steps, settings)
             replace = (jax.random.uniform(k_replace, anchors.shape) < probability) & keep
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(
-            trainable, codes, config, embed, lm_head, batch, anchors, keep, replace, beta, cfg.gamma
+            trainable, codes, config, embed, lm_head, batch, anchors, keep, replace, beta, gamma
         )
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
@@ -212,7 +237,8 @@ def eval_loss(config, cfg: TrainConfig, trainable, codes, embed, lm_head, batch,
     """Objective without an update (no replacement), for tests and held-out loss."""
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
     anchors, keep = sample_anchors(jax.random.split(key)[0], batch["loss_mask"], cfg.anchors)
-    return objective(trainable, codes, config, embed, lm_head, batch, anchors, keep, None, jnp.float32(0.0), cfg.gamma)
+    gamma = loss_decay_gamma(config.kind, cfg.gamma)
+    return objective(trainable, codes, config, embed, lm_head, batch, anchors, keep, None, jnp.float32(0.0), gamma)
 
 
 class Dataset:
@@ -291,7 +317,7 @@ def train(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = drafter.config
+    config = training_drafter_config(drafter.config, cfg)  # the returned (exported) drafter records cfg's knobs
     optimizer = make_optimizer(cfg)
     trainable, codes = split_params(drafter)
     state = {"params": trainable, "opt_state": optimizer.init(trainable)}

@@ -6,7 +6,8 @@ from several chunks add up exactly.
 
 * ``slot_weights``: the cumulative supervision mask (slot k counts only if slots 1..k are all
   supervised: a draft is worthless past its first unsupervisable slot) times the position decay
-  ``exp(-(k-1)/γ)`` for slot k = 1…P (γ = 7).
+  ``exp(-(k-1)/γ)`` for slot k = 1…P (SpecForge's defaults: γ = 7 for DSpine, no decay for DFlash; see
+  ``loop.loss_decay_gamma``).
 * ``ce_terms``: cross-entropy of the unary logits against the labels (DFlash's whole loss).
 * ``l1_terms``: L1 distance ``Σ_v |softmax(logits) - teacher|`` to the target's distribution.
 * ``refinement_terms``: last-write-refined scores over the **detached** top-K unary candidates:

@@ -51,13 +51,13 @@ class AblatedProposer(DrafterProposer):
 
     inject: bool = struct.field(pytree_node=False, default=True)
 
-    def propose(self, target, state, anchor, counts, key, temperature, num):
+    def propose(self, target, state, anchor, counts, key, temperature, num, top_p=1.0, top_k=0):
         drafter = self.drafter
         if num + 1 < drafter.config.block_size:
             drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
         fwd = D.forward(drafter, target, state, D.block_tokens(drafter, anchor), inject=self.inject)
         unary = drafter.replace(config=dataclasses.replace(drafter.config, kind="dflash"))
-        out = D.decode(unary, target, fwd, anchor, key, temperature)
+        out = D.decode(unary, target, fwd, anchor, key, temperature, top_p, top_k)
         return D.DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
 
 
