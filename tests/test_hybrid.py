@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import require
+
 from dspine_jax import target as tgt
 from dspine_jax.cache import HybridCache
 from dspine_jax.config import HybridConfig, UnsupportedModelError, target_config_from_dict
@@ -348,7 +350,7 @@ def test_greedy_local_loop_matches_hf(hybrid_models):
 
 def test_generate_matches_hf_greedy(hybrid_models):
     """``dspine_jax.generate.generate`` on a hybrid target (rows of different prompt lengths)."""
-    generate_mod = pytest.importorskip("dspine_jax.generate")
+    generate_mod = require("dspine_jax.generate")
     model_dir, model = hybrid_models["qwen3_next"]
     target = tgt.load_target(model_dir)
     rng = np.random.default_rng(5)

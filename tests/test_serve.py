@@ -12,9 +12,11 @@ import time
 import httpx
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-pytest.importorskip("starlette")
+from conftest import require  # noqa: E402
+
+openai = require("openai")
+require("uvicorn")
+require("starlette")
 
 from conftest import make_tiny_hf_model  # noqa: E402
 

@@ -9,8 +9,10 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("uvicorn")
-pytest.importorskip("starlette")
+from conftest import require  # noqa: E402
+
+require("uvicorn")
+require("starlette")
 
 from conftest import make_tiny_hf_model  # noqa: E402
 from test_serve import make_tiny_tokenizer, start_uvicorn  # noqa: E402
