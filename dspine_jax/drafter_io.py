@@ -395,3 +395,48 @@ def init_drafter(
         fc=fc, hidden_norm=ones((h,)), layers=layers, norm=ones((h,)), injection=injection, transfer_codes=codes
     )
     return Drafter(params=params, config=config)
+
+
+def copy_target_layers(drafter: Drafter, target: Target, layer_ids: tuple[int, ...] | list[int] | None = None) -> Drafter:
+    """``drafter`` with its decoder layers initialised from the target's layers ``layer_ids``
+    (default: the target's last L, the ones closest to next-token prediction).
+
+    A drafter layer has the target layer's shape when heads, head dim and MLP width match (use
+    ``intermediate_size`` = the target's); fused target projections are split back into q/k/v and
+    gate/up. Targets without q/k norms (llama) leave the drafter's at one. Dense targets only.
+    """
+    c, tc = drafter.config, target.config
+    layers = getattr(target.params, "layers", None)
+    if layers is None or not all(hasattr(layer, "qkv") for layer in layers):
+        raise ValueError("copy_target_layers needs a dense (attention-only) target")
+    ids = tuple(layer_ids) if layer_ids is not None else tuple(range(tc.num_layers - c.num_layers, tc.num_layers))
+    if len(ids) != c.num_layers or not all(0 <= i < tc.num_layers for i in ids):
+        raise ValueError(f"need {c.num_layers} target layer ids in [0, {tc.num_layers}), got {ids}")
+    mismatch = {
+        name: (mine, theirs)
+        for name, mine, theirs in (
+            ("num_heads", c.num_heads, tc.num_heads),
+            ("num_kv_heads", c.num_kv_heads, tc.num_kv_heads),
+            ("head_dim", c.head_dim, tc.head_dim),
+            ("intermediate_size", c.intermediate_size, tc.intermediate_size),
+        )
+        if mine != theirs
+    }
+    if mismatch:
+        raise ValueError(f"drafter and target layers differ in shape (drafter, target): {mismatch}")
+    nd, kd, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    dtype = drafter.params.fc.dtype
+
+    def copied(mine: DrafterLayer, theirs: Any) -> DrafterLayer:
+        cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+        q, k, v = jnp.split(theirs.qkv, [nd, nd + kd], axis=1)
+        gate, up = jnp.split(theirs.gate_up, [f], axis=1)
+        return mine.replace(
+            input_norm=cast(theirs.input_norm), q=cast(q), k=cast(k), v=cast(v), o=cast(theirs.o),
+            q_norm=mine.q_norm if theirs.q_norm is None else cast(theirs.q_norm),
+            k_norm=mine.k_norm if theirs.k_norm is None else cast(theirs.k_norm),
+            post_norm=cast(theirs.post_norm), gate=cast(gate), up=cast(up), down=cast(theirs.down),
+        )  # fmt: skip
+
+    new_layers = tuple(copied(mine, layers[i]) for mine, i in zip(drafter.params.layers, ids, strict=True))
+    return drafter.replace(params=drafter.params.replace(layers=new_layers))

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dspine_jax.drafter_config import build_target_layer_ids
 from dspine_jax.target import load_target
 from dspine_jax.train import corpus
 from dspine_jax.train.data import (
@@ -156,9 +157,10 @@ def test_committed_corpus_is_disjoint_from_heldout():
 
 
 @pytest.mark.slow
-def test_regeneration_resumes_by_row_with_another_batch_size(tiny_models, tmp_path):
+def test_regeneration_resumes_by_row_with_another_batch_size(tiny_models, tmp_path, monkeypatch):
     from dspine_jax.generate import generate
 
+    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path / "cache"))
     target = load_target(tiny_models["llama"][0])
     rng = np.random.default_rng(4)
     records = _fake_plan(14, rng)
@@ -175,6 +177,37 @@ def test_regeneration_resumes_by_row_with_another_batch_size(tiny_models, tmp_pa
     assert sorted(r["key"] for r in rows) == sorted(p["key"] for p in plan)  # every prompt exactly once
     assert rows[: len(first)] == first  # the first run's shards are kept as they were
     by_key = {r["key"]: r for r in rows}
-    want = generate(target, [p["prompt_ids"] for p in plan[:2]], max_new_tokens=5)
-    for p, ids in zip(plan[:2], want.token_ids):
+    want = generate(target, [p["prompt_ids"] for p in plan], max_new_tokens=5)
+    for p, ids in zip(plan, want.token_ids):
         assert by_key[p["key"]]["response_ids"] == ids
+    # Features were captured while regenerating: building them runs no forward pass.
+    monkeypatch.setattr("dspine_jax.train.data._compute_row_features", None)
+    taps = build_target_layer_ids(target.config.num_layers, 5)  # regenerate_rows' default
+    _, _, feats = build_features(str(tiny_models["llama"][0]), tmp_path, taps, max_len=16, progress=False)
+    assert len(feats) == len(rows)
+
+
+@pytest.mark.slow
+def test_captured_features_and_tokens_equal_generate_and_the_forward_pass(tiny_models, tmp_path, monkeypatch):
+    """The capturing regeneration decodes exactly what ``generate`` decodes (tokens, stops, finish
+    reasons) and keeps the features a separate forward pass over prompt+response computes."""
+    from dspine_jax.generate import generate
+
+    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path / "cache"))
+    target = load_target(tiny_models["llama"][0])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (3, 7, 5, 1)]
+    free = generate(target, prompts, max_new_tokens=9, stop_ids=[])
+    row0 = free.token_ids[0]
+    k = next(i for i in range(1, len(row0)) if row0[i] not in row0[:i])
+    stop = row0[k]  # row 0 stops at its (k+1)-th token, others wherever that id appears
+    want = generate(target, prompts, max_new_tokens=9, stop_ids=[stop])
+    taps = (0, 2)
+    responses, finishes, features = corpus.regenerate_batch(target, prompts, 9, taps, stop_ids=[stop])
+    assert responses == want.token_ids and finishes == want.finish_reasons
+    assert len(responses[0]) == k + 1 and finishes[0] == "stop" and "length" in finishes
+    for p, r, f in zip(prompts, responses, features):
+        seq = p + r
+        assert f.shape == (len(seq), len(taps) + 1, target.config.hidden_size) and f.dtype == np.float16
+        ref = target_features(target, np.asarray([seq]), taps)[0]
+        np.testing.assert_allclose(f.astype(np.float32), ref, atol=2e-2, rtol=2e-2)  # float16 storage

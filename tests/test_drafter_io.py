@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from dspine_jax import drafter as D
 from dspine_jax.drafter_config import DrafterConfigError, build_target_layer_ids, drafter_config_from_dict
-from dspine_jax.drafter_io import init_drafter, load_drafter, save_drafter
+from dspine_jax.drafter_io import copy_target_layers, init_drafter, load_drafter, save_drafter
 from dspine_jax.target import load_target
 from dspine_jax.weights import CheckpointError
 
@@ -266,3 +266,27 @@ def test_one_jitted_draft_call_for_block_16(target):
     )
     assert shapes.tokens.shape == (2, 15) and shapes.cand_ids.shape == (2, 15, 16) and shapes.q.shape == (2, 15, 16)
     assert "stablehlo.while" in lowered.as_text()  # the walk is a scan, not 15 unrolled steps
+
+
+def test_copy_target_layers_takes_the_hf_weights(tiny_models, target):
+    """Layers initialised from the target hold the HF model's own tensors (torch [out, in] transposed),
+    the last L layers by default, explicit ones on request; a shape mismatch is refused."""
+    hf = tiny_models["qwen3"][1]
+    state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    n = target.config.num_layers
+    drafter = init_drafter(target, "dspine", num_layers=1, intermediate_size=target.config.intermediate_size)
+    for ids, expect in ((None, n - 1), ([0], 0)):
+        layer = copy_target_layers(drafter, target, ids).params.layers[0]
+        pre = f"model.layers.{expect}."
+        for ours, theirs in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                             ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                             ("down", "mlp.down_proj")):
+            np.testing.assert_array_equal(np.asarray(getattr(layer, ours)), state[pre + theirs + ".weight"].T, err_msg=ours)
+        for ours, theirs in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"),
+                             ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")):
+            np.testing.assert_array_equal(np.asarray(getattr(layer, ours)), state[pre + theirs + ".weight"], err_msg=ours)
+    narrow = init_drafter(target, "dflash", num_layers=1, intermediate_size=target.config.intermediate_size // 2)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        copy_target_layers(narrow, target)
+    with pytest.raises(ValueError, match="layer ids"):
+        copy_target_layers(drafter, target, [n])

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transfer-rank", type=int, default=64)
     ap.add_argument("--message-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--init-from-target", action="store_true",
+                    help="initialise the drafter's layers from the target's last layers (needs the target's MLP "
+                    "width: --intermediate-size = the target's)")
     ap.add_argument("--alignment-warmup-steps", type=int, default=None, help="DSpine β warm-up (default: the config's)")
     ap.add_argument("--loss-decay-gamma", type=float, default=None,
                     help="position decay γ of the loss weights exp(-(k-1)/γ); default: SpecForge's "
@@ -68,18 +71,19 @@ def train_config(run: dict[str, Any]):
 def build_drafter(target, run: dict[str, Any]):
     """The run's freshly initialised drafter (``card.export_step`` rebuilds it the same way to restore a
     checkpoint). Runs recorded before ``--mask-token-id`` existed used the target's pad id."""
-    from dspine_jax.drafter_io import init_drafter
+    from dspine_jax.drafter_io import copy_target_layers, init_drafter
 
     mask = run.get("mask_token_id")
     if mask is None:
         pad = target.config.pad_token_id
         mask = pad if pad is not None else target.config.vocab_size - 1
-    return init_drafter(
+    drafter = init_drafter(
         target, kind=run["kind"], num_layers=run["layers"], intermediate_size=run["intermediate_size"],
         transfer_rank=run["transfer_rank"] if run["kind"] == "dspine" else None,
         message_size=run["message_size"] if run["kind"] == "dspine" else None,
         block_size=run["block_size"], seed=run["seed"], mask_token_id=mask,
     )  # fmt: skip
+    return copy_target_layers(drafter, target) if run.get("init_from_target") else drafter
 
 
 def _tokenizer_or_none(source: str):

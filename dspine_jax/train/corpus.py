@@ -34,6 +34,7 @@ CLI: ``python -m dspine_jax.train.corpus --target smollm2-135m-instruct --out DI
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.metadata
 import itertools
@@ -46,10 +47,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from dspine_jax.generate import enable_compilation_cache, generate
+from dspine_jax import target as tgt
+from dspine_jax.drafter_config import build_target_layer_ids
+from dspine_jax.generate import enable_compilation_cache, finish_reasons, plan_request
+from dspine_jax.sampling import sample
 from dspine_jax.target import Target, load_target
 from dspine_jax.tokenizer import load_tokenizer
 from dspine_jax.train.data import (
@@ -65,7 +71,10 @@ from dspine_jax.train.data import (
     read_plan,
     reasoning_gym_questions,
     shakespeare_texts,
+    features_dir,
     shard_paths,
+    stack_features,
+    write_shard_features,
 )  # fmt: skip
 
 CORPUS_VERSION = 2
@@ -319,14 +328,85 @@ def write_plan(tokenizer, out: Path, per_domain: int, max_prompt_tokens: int) ->
     tmp.rename(out / PLAN_FILE)
 
 
+@functools.partial(jax.jit, static_argnames=("taps", "max_new_tokens"))
+def _greedy_with_features(
+    target: Target, tokens: jax.Array, lengths: jax.Array, stop_ids: jax.Array, *, taps: tuple[int, ...],
+    max_new_tokens: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Greedy decoding of prompts ``tokens [B, P]`` that also keeps the target features of every position
+    it runs, so training needs no second forward pass over the corpus.
+
+    Returns response tokens ``[B, M]``, counts ``[B]``, stopped ``[B]``, prompt features
+    ``[B, P, n+1, H]`` and response features ``[B, M, n+1, H]`` (float16). Token for token what
+    ``generate`` decodes: the same forward and argmax; it runs one step more, to feed each row's last
+    token (whose features a drafter trains on, though the target never needed them).
+    """
+    batch = tokens.shape[0]
+    cache = tgt.init_cache(target, batch, tokens.shape[1] + max_new_tokens)
+    hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, taps, return_replay=True)
+    cache = tgt.replay(cache, saved, lengths)
+    prompt_features = stack_features(tapped, hidden).astype(jnp.float16)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = sample(None, tgt.lm_logits(target, last), 1.0, 1.0, 0, True)
+    out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    feats = jnp.zeros((batch, max_new_tokens, *prompt_features.shape[2:]), jnp.float16)
+    counts, recorded = jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+    stopped = jnp.isin(first, stop_ids)
+
+    def cond(state):
+        _, counts, recorded, _, _, _ = state
+        return jnp.any(recorded < counts)
+
+    def body(state):
+        cache, counts, recorded, stopped, out, feats = state
+        pending = recorded < counts  # the row's last token has not been fed yet
+        last = jnp.take_along_axis(out, (counts - 1)[:, None], axis=1)
+        hidden, tapped, cache = tgt.forward(target, cache, last, taps)
+        cache = cache.commit(pending.astype(jnp.int32))
+        step = stack_features(tapped, hidden)[:, 0].astype(jnp.float16)  # [B, n+1, H]
+        feats = feats.at[jnp.arange(batch), jnp.where(pending, counts - 1, max_new_tokens)].set(step, mode="drop")
+        recorded = jnp.where(pending, counts, recorded)
+        grow = pending & ~stopped & (counts < max_new_tokens)
+        token = sample(None, tgt.lm_logits(target, hidden[:, 0]), 1.0, 1.0, 0, True)
+        out = out.at[jnp.arange(batch), counts].set(jnp.where(grow, token, 0), mode="drop")
+        stopped = stopped | (grow & jnp.isin(token, stop_ids))
+        return cache, counts + grow, recorded, stopped, out, feats
+
+    _, counts, _, stopped, out, feats = jax.lax.while_loop(
+        cond, body, (cache, counts, recorded, stopped, out, feats)
+    )
+    return out, counts, stopped, prompt_features, feats
+
+
+def regenerate_batch(
+    target: Target, prompts: list[list[int]], max_new_tokens: int, taps: tuple[int, ...],
+    stop_ids: list[int] | None = None,
+) -> tuple[list[list[int]], list[str], list[np.ndarray]]:
+    """Greedy responses (stop at ``stop_ids``, default the model's EOS), finish reasons and the per-row
+    features ``[prompt+response, n+1, H]``."""
+    rows, _, tokens, lengths, stops = plan_request(target, prompts, max_new_tokens, 0.0, 1.0, 0, stop_ids)
+    out, counts, stopped, prompt_features, feats = jax.device_get(_greedy_with_features(
+        target, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(stops or [-1], jnp.int32),
+        taps=tuple(taps), max_new_tokens=max_new_tokens,
+    ))  # fmt: skip
+    responses = [out[i, : counts[i]].tolist() for i in range(len(rows))]
+    features = [np.concatenate([prompt_features[i, : len(r)], feats[i, : counts[i]]]) for i, r in enumerate(rows)]
+    return responses, finish_reasons(counts, stopped, max_new_tokens), features
+
+
 def regenerate_rows(
     target: Target, plan: list[dict], out: Path, tokens: int, batch_size: int, max_new_tokens: int,
-    progress: bool = True,
+    progress: bool = True, taps: tuple[int, ...] | None = None,
 ) -> None:
     """Regenerate plan rows (with ``prompt_ids``) in plan order until ``out/shards`` holds ``tokens``
     response tokens. Resumes by plan row, not by shard index, so a run with another batch size (a GPU
-    extending the committed CPU corpus) neither repeats nor skips a prompt."""
+    extending the committed CPU corpus) neither repeats nor skips a prompt.
+
+    The target features at ``taps`` (default: the taps of a 5-layer drafter) of every new shard go to
+    the user cache (``data.features_dir``), where ``build_features`` finds them."""
     (out / "shards").mkdir(parents=True, exist_ok=True)
+    taps = tuple(taps) if taps is not None else build_target_layer_ids(target.config.num_layers, 5)
+    feat_dir = features_dir(out, Path(target.model_dir).name or "target", taps)
     existing = shard_paths(out)
     done_rows: set[int] = set()
     done_tokens = 0
@@ -340,9 +420,11 @@ def regenerate_rows(
     for i, rows in enumerate(todo, start=int(existing[-1].stem) + 1 if existing else 0):
         if done_tokens >= tokens:
             break
-        res = generate(target, [r["prompt_ids"] for r in rows], max_new_tokens=max_new_tokens)
-        write_shard(out / "shards" / f"{i:05d}.npz", rows, res.token_ids, res.finish_reasons)
-        n = sum(map(len, res.token_ids))
+        responses, finishes, features = regenerate_batch(target, [r["prompt_ids"] for r in rows], max_new_tokens, taps)
+        shard = out / "shards" / f"{i:05d}.npz"
+        write_shard(shard, rows, responses, finishes)
+        write_shard_features(feat_dir, shard, features)
+        n = sum(map(len, responses))
         done_tokens, made = done_tokens + n, made + n
         bar.update(n)
         bar.set_postfix(tok_s=f"{made / (time.perf_counter() - started):.0f}", domain=rows[0]["domain"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import lzma
@@ -39,7 +40,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from dspine_jax import target as tgt
+from dspine_jax.target import load_target
 
 DOMAINS = ("code", "math", "chat", "prose")
 HELDOUT_SEED = 20261129
@@ -352,70 +358,158 @@ def pack_rows(rows: list[dict], max_len: int, pad_id: int) -> tuple[np.ndarray, 
     return tokens, mask
 
 
+@functools.partial(jax.jit, static_argnames=("taps",))
+def _features(target, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
+    cache = tgt.init_cache(target, tokens.shape[0], tokens.shape[1])
+    hidden, tapped, _ = tgt.forward(target, cache, tokens, taps)
+    return stack_features(tapped, hidden)
+
+
+def stack_features(tapped: jax.Array, hidden: jax.Array) -> jax.Array:
+    """``tapped [n, B, T, H]`` and the final-normed ``hidden [B, T, H]`` → ``[B, T, n+1, H]``, the layout
+    every feature store uses (the taps, then the teacher's input to the LM head)."""
+    return jnp.concatenate([jnp.moveaxis(tapped, 0, 2), hidden[:, :, None]], axis=2)
+
+
 def target_features(target, tokens: np.ndarray, taps: tuple[int, ...]) -> np.ndarray:
     """``tokens [B, S]`` → float32 ``[B, S, n+1, H]``: the tapped residual streams then the final-normed
-    hidden (the teacher's input to the LM head)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dspine_jax import target as tgt
-
-    @jax.jit
-    def run(tok):
-        cache = tgt.init_cache(target, tok.shape[0], tok.shape[1])
-        hidden, tapped, _ = tgt.forward(target, cache, tok, taps)
-        return jnp.concatenate([jnp.moveaxis(tapped, 0, 2), hidden[:, :, None]], axis=2)
-
-    return np.asarray(run(jnp.asarray(tokens)))
+    hidden. Jitted once per (B, S, taps)."""
+    return np.asarray(_features(target, jnp.asarray(tokens), tuple(taps)))
 
 
 class PackedFeatures:
-    """Rows of a flat feature memmap ``[T, n+1, H]`` (row ``i`` at ``offsets[i] : offsets[i] + lengths[i]``)
-    indexed like a padded ``[N, S, n+1, H]`` array: ``self[idx]`` right-pads each row with zeros to ``S``.
-    Responses vary from a few tokens to hundreds, so padding on disk would cost more than the data."""
+    """Rows of flat feature arrays ``[T, n+1, H]`` (one or several parts, e.g. one file per corpus shard)
+    indexed like a padded ``[N, S, n+1, H]`` array: ``self[idx]`` right-pads each row with zeros to ``S``
+    (and truncates a longer stored row to ``S``). Responses vary from a few tokens to hundreds, so
+    padding on disk would cost more than the data."""
 
-    def __init__(self, flat: np.ndarray, lengths: np.ndarray, max_len: int) -> None:
-        self.flat, self.lengths, self.max_len = flat, np.asarray(lengths, np.int64), max_len
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
-        self.shape = (len(self.lengths), max_len, *flat.shape[1:])
+    def __init__(self, flat: np.ndarray | list[np.ndarray], lengths, max_len: int) -> None:
+        parts = flat if isinstance(flat, list) else [flat]
+        part_lengths = lengths if isinstance(flat, list) else [lengths]
+        self.parts, self.max_len = parts, max_len
+        self.lengths = np.concatenate([np.asarray(n, np.int64) for n in part_lengths])
+        self.part = np.concatenate([np.full(len(n), j, np.int64) for j, n in enumerate(part_lengths)])
+        self.offsets = np.concatenate([np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64) for n in part_lengths])
+        self.shape = (len(self.lengths), max_len, *parts[0].shape[1:])
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, idx) -> np.ndarray:
         idx = np.atleast_1d(np.asarray(idx))
-        out = np.zeros((len(idx), *self.shape[1:]), self.flat.dtype)
+        out = np.zeros((len(idx), *self.shape[1:]), self.parts[0].dtype)
         for j, i in enumerate(idx):
-            start, n = self.offsets[i], self.lengths[i]
-            out[j, :n] = self.flat[start : start + n]
+            start, n = self.offsets[i], min(self.lengths[i], self.max_len)
+            out[j, :n] = self.parts[self.part[i]][start : start + n]
         return out
 
 
-def features_dir(data_dir: Path, target_tag: str, taps: tuple[int, ...], max_len: int) -> Path:
+def features_dir(data_dir: Path, target_tag: str, taps: tuple[int, ...], max_len: int | None = None) -> Path:
     """Where a dataset's features are cached: beside regenerated data, but in the user cache for a
-    corpus directory (``corpus.py``), which is meant to be committed and must not collect gigabytes."""
+    corpus directory (``corpus.py``), which is meant to be committed and must not collect gigabytes.
+    Corpus features are stored per shard at full length (any ``max_len`` reads them), so their
+    directory does not name one."""
     data_dir = Path(data_dir).resolve()
-    name = f"{target_tag}-taps{'_'.join(map(str, taps))}-S{max_len}"
+    name = f"{target_tag}-taps{'_'.join(map(str, taps))}"
     if (data_dir / PLAN_FILE).exists():
         return default_data_dir() / "features" / f"{data_dir.name}-{name}"
-    return data_dir / "features" / name
+    return data_dir / "features" / f"{name}-S{max_len}"
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def write_shard_features(feat_dir: Path, shard: Path, features: list[np.ndarray]) -> None:
+    """Features of one corpus shard (row ``i``: ``[prompt+response, n+1, H]``) as ``NNNNN.npy`` (float16,
+    rows concatenated) plus ``NNNNN.json`` naming the shard's sha256, written atomically: a file that
+    is there is whole, and stale features (the shard changed) are never read."""
+    feat_dir.mkdir(parents=True, exist_ok=True)
+    flat = np.concatenate(features).astype(np.float16)
+    npy, meta = feat_dir / f"{shard.stem}.npy", feat_dir / f"{shard.stem}.json"
+    tmp = npy.with_name(f".{npy.name}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, flat)
+    tmp.rename(npy)
+    info = {"shard_sha256": _file_sha256(shard), "lengths": [len(x) for x in features]}
+    meta.with_name(f".{meta.name}.tmp").write_text(json.dumps(info))
+    meta.with_name(f".{meta.name}.tmp").rename(meta)
+
+
+def read_shard_features(feat_dir: Path, shard: Path, lengths: list[int]) -> np.ndarray | None:
+    """The stored features of ``shard`` (memory-mapped), or None when missing or stale."""
+    npy, meta = feat_dir / f"{shard.stem}.npy", feat_dir / f"{shard.stem}.json"
+    if not (npy.exists() and meta.exists()):
+        return None
+    info = json.loads(meta.read_text())
+    if info["lengths"] != list(lengths) or info["shard_sha256"] != _file_sha256(shard):
+        return None
+    return np.load(npy, mmap_mode="r")
+
+
+def _compute_row_features(target, seqs: list[list[int]], taps: tuple[int, ...], chunk: int, pad: int) -> list[np.ndarray]:
+    """Full-length features of token rows, batched ``chunk`` at a time over rows of similar length
+    (widths bucketed to 64: few compiled shapes, little padding)."""
+    order = np.argsort([len(s) for s in seqs])
+    out: list[np.ndarray | None] = [None] * len(seqs)
+    for start in range(0, len(seqs), chunk):
+        idx = order[start : start + chunk]
+        width = -(-max(len(seqs[i]) for i in idx) // 64) * 64
+        block = np.full((chunk, width), pad, np.int32)
+        for j, i in enumerate(idx):
+            block[j, : len(seqs[i])] = seqs[i]
+        feats = target_features(target, block, taps).astype(np.float16)
+        for j, i in enumerate(idx):
+            out[i] = feats[j, : len(seqs[i])]
+    return out  # type: ignore[return-value]
+
+
+def _corpus_features(
+    target_spec: str, data_dir: Path, taps: tuple[int, ...], max_len: int, chunk: int, progress: bool
+) -> tuple[list[dict], PackedFeatures, int]:
+    """A corpus' rows, the target's pad id and their per-shard features, computing only shards without stored ones (those
+    regenerated with capture have theirs already; ``corpus.regenerate_rows``)."""
+    from tqdm import tqdm
+
+    plan = read_plan(data_dir)
+    shards = shard_paths(data_dir)
+    rows_per_shard = [read_shard(p, plan) for p in shards]
+    target = load_target(target_spec)
+    pad = target.config.pad_token_id or 0
+    feat_dir = features_dir(data_dir, Path(target.model_dir).name or "target", taps)
+    parts, part_lengths = [], []
+    for shard, rows in zip(tqdm(shards, desc="target features (shards)", disable=not progress), rows_per_shard):
+        lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+        flat = read_shard_features(feat_dir, shard, lengths)
+        if flat is None:
+            seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+            write_shard_features(feat_dir, shard, _compute_row_features(target, seqs, taps, chunk, pad))
+            flat = read_shard_features(feat_dir, shard, lengths)
+        parts.append(flat)
+        part_lengths.append(np.asarray(lengths, np.int64))
+    rows = [r for rows in rows_per_shard for r in rows]
+    return rows, PackedFeatures(parts, part_lengths, max_len), pad
 
 
 def build_features(
     target_spec: str, data_dir: Path, taps: tuple[int, ...], max_len: int = 256, chunk: int = 8, progress: bool = True
 ) -> tuple[np.ndarray, np.ndarray, PackedFeatures]:
-    """Target features of every training row, packed (resumable by chunk). Returns tokens ``[N, S]``,
-    loss mask ``[N, S]`` and a :class:`PackedFeatures` ``[N, S, n+1, H]`` view."""
+    """Target features of every training row, packed (resumable: by shard for a corpus, by chunk for a
+    first-generation dataset). Returns tokens ``[N, S]``, loss mask ``[N, S]`` and a
+    :class:`PackedFeatures` ``[N, S, n+1, H]`` view."""
     from tqdm import tqdm
 
-    from dspine_jax.target import load_target
-
-    data_dir = Path(data_dir)
-    rows = load_sequences(data_dir)
-    if not rows:
+    data_dir, taps = Path(data_dir), tuple(taps)
+    corpus = (data_dir / PLAN_FILE).exists()
+    if not (shard_paths(data_dir) if corpus else load_sequences(data_dir)):
         raise FileNotFoundError(
             f"no regenerated sequences under {data_dir}; run python -m dspine_jax.train.data or dspine_jax.train.corpus"
         )
+    if corpus:
+        rows, view, pad = _corpus_features(target_spec, data_dir, taps, max_len, chunk, progress)
+        tokens, mask = pack_rows(rows, max_len, pad)
+        return tokens, mask, view
+    rows = load_sequences(data_dir)
     target = load_target(target_spec)
     pad = target.config.pad_token_id or 0
     tokens, mask = pack_rows(rows, max_len, pad)
