@@ -8,12 +8,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_TARGET_TYPES = ("llama", "qwen3")
+# model_type values per family (the registry in family.py maps them to code).
+DENSE_TARGET_TYPES = ("llama", "qwen3")
 # Hybrid Gated-DeltaNet / gated-attention families (dspine_jax/hybrid.py). ``qwen3_5`` is the
 # multimodal wrapper config (text model under ``text_config``); ``qwen3_5_text`` is what
 # ``Qwen3_5ForCausalLM.save_pretrained`` writes.
 HYBRID_TARGET_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
-_MOE_HYBRID_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+# Read by the hybrid family only to say clearly that mixture-of-experts MLPs are not implemented.
+MOE_HYBRID_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
 
 class UnsupportedModelError(ValueError):
@@ -59,21 +61,15 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def _as_tuple(ids: int | list[int] | None) -> tuple[int, ...]:
+def as_id_tuple(ids: int | list[int] | None) -> tuple[int, ...]:
     if ids is None:
         return ()
     return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
 
-def target_config_from_dict(cfg: dict[str, Any]) -> TargetConfig:
+def dense_config_from_dict(cfg: dict[str, Any]) -> TargetConfig:
+    """``config.json`` of a ``llama`` / ``qwen3`` model → TargetConfig (the dense family, dense.py)."""
     model_type = cfg.get("model_type")
-    if model_type in HYBRID_TARGET_TYPES or model_type in _MOE_HYBRID_TYPES:
-        return hybrid_config_from_dict(cfg)
-    if model_type not in SUPPORTED_TARGET_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported target types: "
-            f"{', '.join(SUPPORTED_TARGET_TYPES + HYBRID_TARGET_TYPES)}"
-        )
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -111,7 +107,7 @@ def target_config_from_dict(cfg: dict[str, Any]) -> TargetConfig:
         qk_norm=model_type == "qwen3",
         layer_windows=tuple(windows),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+        eos_token_ids=as_id_tuple(cfg.get("eos_token_id")),
         pad_token_id=cfg.get("pad_token_id"),
     )
 
@@ -171,7 +167,7 @@ def _moe_layers(cfg: dict[str, Any], num_layers: int) -> list[int]:
 def hybrid_config_from_dict(cfg: dict[str, Any]) -> HybridConfig:
     """``config.json`` of a ``qwen3_5`` / ``qwen3_5_text`` / dense ``qwen3_next`` model → HybridConfig."""
     outer_type = cfg.get("model_type")
-    if outer_type in _MOE_HYBRID_TYPES:
+    if outer_type in MOE_HYBRID_TYPES:
         raise UnsupportedModelError(
             f"model_type {outer_type!r} (Qwen3.5 mixture-of-experts) is not supported yet; "
             "only dense-MLP hybrid targets (qwen3_5, dense qwen3_next) are implemented"
@@ -184,7 +180,7 @@ def hybrid_config_from_dict(cfg: dict[str, Any]) -> HybridConfig:
             if cfg.get(key) is not None:
                 text[key] = cfg[key]
         text["eos_token_id"] = list(
-            dict.fromkeys(_as_tuple(cfg.get("eos_token_id")) + _as_tuple(text.get("eos_token_id")))
+            dict.fromkeys(as_id_tuple(cfg.get("eos_token_id")) + as_id_tuple(text.get("eos_token_id")))
         )
         cfg = text
     family = "qwen3_next" if outer_type == "qwen3_next" else "qwen3_5"
@@ -240,7 +236,7 @@ def hybrid_config_from_dict(cfg: dict[str, Any]) -> HybridConfig:
         qk_norm=True,
         layer_windows=(0,) * num_layers,
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+        eos_token_ids=as_id_tuple(cfg.get("eos_token_id")),
         pad_token_id=cfg.get("pad_token_id"),
         layer_kinds=kinds,
         rotary_dim=int(head_dim * factor),
@@ -261,14 +257,3 @@ def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
-
-
-def load_target_config(model_dir: str | os.PathLike) -> TargetConfig:
-    cfg = read_config_json(model_dir)
-    # generation_config.json may list extra stop ids (chat models end turns with a special token).
-    gen_path = Path(model_dir) / "generation_config.json"
-    if gen_path.is_file():
-        gen = json.loads(gen_path.read_text())
-        extra = _as_tuple(gen.get("eos_token_id"))
-        cfg = {**cfg, "eos_token_id": list(dict.fromkeys(_as_tuple(cfg.get("eos_token_id")) + extra))}
-    return target_config_from_dict(cfg)

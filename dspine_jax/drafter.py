@@ -67,7 +67,7 @@ from jax import Array
 from dspine_jax.cache import KV_AXES, LENGTHS_AXES, sharded_zeros
 from dspine_jax.drafter_config import DrafterConfig
 from dspine_jax.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
-from dspine_jax.mesh import per_device
+from dspine_jax.mesh import per_device, weight
 from dspine_jax.sampling import process_logits
 from dspine_jax.target import Target, lm_logits
 from kernels.pallas import draft_attention as _attention_kernel
@@ -87,16 +87,21 @@ class DrafterLayer:
     and each layer reads its own buffers (slicing a stacked weight makes XLA:CPU copy it)."""
 
     input_norm: Array  # [H]
-    q: Array  # [H, N*D]
-    k: Array  # [H, K*D]
-    v: Array  # [H, K*D]
-    o: Array  # [N*D, H]
-    q_norm: Array  # [D]
-    k_norm: Array  # [D]
-    post_norm: Array  # [H]
-    gate: Array  # [H, F]
-    up: Array  # [H, F]
-    down: Array  # [F, H]
+    q: Array = weight(None, "heads", group="attention")  # [H, N*D]
+    k: Array = weight(None, "kv_heads", group="attention")  # [H, K*D]
+    v: Array = weight(None, "kv_heads", group="attention")  # [H, K*D]
+    o: Array = weight("heads", None, group="attention")  # [N*D, H]
+    q_norm: Array = weight()  # [D]
+    k_norm: Array = weight()  # [D]
+    post_norm: Array = weight()  # [H]
+    gate: Array = weight(None, "mlp")  # [H, F]
+    up: Array = weight(None, "mlp")  # [H, F]
+    down: Array = weight("mlp", None)  # [F, H]
+
+    def for_mesh(self, config: DrafterConfig, model_shards: int) -> tuple[DrafterLayer, dict[str, bool]]:
+        """Heads split over ``model_shards`` only when query and KV heads both divide (all or none)."""
+        split = config.num_heads % model_shards == 0 and config.num_kv_heads % model_shards == 0
+        return self, {"attention": split}
 
 
 @struct.dataclass

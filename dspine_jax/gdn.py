@@ -37,6 +37,9 @@ import numpy as np
 from flax import struct
 from jax import Array
 
+from dspine_jax.config import HybridConfig
+from dspine_jax.mesh import weight
+
 HIGHEST = jax.lax.Precision.HIGHEST
 DEFAULT_CHUNK = 64  # HF's chunk size
 
@@ -56,18 +59,25 @@ class GdnParams:
     ``C = 2·Nk·Dk + Nv·Dv`` conv channels (q | k | v), ``Kc`` conv kernel width.
     """
 
-    qkv: Array  # [H, C]      in_proj_qkv (for qwen3_next: unfused from in_proj_qkvz)
-    z: Array  # [H, Nv*Dv]    output-gate projection
-    b: Array  # [H, Nv]       β logits
-    a: Array  # [H, Nv]       decay logits
-    conv: Array  # [C, Kc]    depthwise causal conv taps (oldest input first)
-    dt_bias: Array  # [Nv]
-    a_log: Array  # [Nv]
-    norm: Array  # [Dv]       gated RMSNorm weight (plain ``w·x``, not zero-centred)
-    out: Array  # [Nv*Dv, H]
+    qkv: Array = weight(None, "heads", group="gdn")  # [H, C]      in_proj_qkv (for qwen3_next: unfused from in_proj_qkvz)
+    z: Array = weight(None, "heads", group="gdn")  # [H, Nv*Dv]    output-gate projection
+    b: Array = weight(None, "heads", group="gdn")  # [H, Nv]       β logits
+    a: Array = weight(None, "heads", group="gdn")  # [H, Nv]       decay logits
+    conv: Array = weight("heads", None, group="gdn")  # [C, Kc]    depthwise causal conv taps (oldest input first)
+    dt_bias: Array = weight("heads", group="gdn")  # [Nv]
+    a_log: Array = weight("heads", group="gdn")  # [Nv]
+    norm: Array = weight()  # [Dv]       gated RMSNorm weight (plain ``w·x``, not zero-centred)
+    out: Array = weight("heads", None, group="gdn")  # [Nv*Dv, H]
     # Tensor parallelism: conv channels stored as ``groups`` × [q | k | v] of Nk/G key heads and Nv/G value
     # heads, so one model shard holds whole heads (``regroup``). 1 = HF's [q | k | v].
     groups: int = struct.field(pytree_node=False, default=1)
+
+    def for_mesh(self, config: HybridConfig, model_shards: int) -> tuple[GdnParams, dict[str, bool]]:
+        """Split over ``model_shards`` when key and value heads both divide, conv channels regrouped so
+        each shard holds its own q, k and v heads."""
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        split = model_shards > 1 and nk % model_shards == 0 and nv % model_shards == 0
+        return (regroup(self, nk, model_shards) if split else self), {"gdn": split}
 
 
 @struct.dataclass

@@ -177,7 +177,7 @@ def prefill(
     """Prompts ``tokens [B, P]`` (right-padded to ``lengths``) → cache and the first sampled token ``[B]``."""
     cache = tgt.init_cache(target, tokens.shape[0], capacity)
     hidden, _, cache, saved = tgt.forward(target, cache, tokens, return_replay=True)
-    cache = tgt.replay(cache, saved, lengths)  # a commit; on hybrids it also keeps pads out of the GDN state
+    cache = tgt.replay(target, cache, saved, lengths)  # a commit; on hybrids it also keeps pads out of the GDN state
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
     return cache, sample(key, tgt.lm_logits(target, last), temperature, top_p, top_k, greedy)
 

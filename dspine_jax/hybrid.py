@@ -9,12 +9,12 @@ Params are a tuple of per-layer pytrees and the layer loop is unrolled, like the
 doubling a decode step's memory traffic. The sequential parts that matter — the GDN recurrence over
 chunks or tokens — are ``lax.scan``s (``gdn.py``).
 
-Public API (used through ``target.py``, which dispatches on the config type):
+Public API (the ``hybrid`` family record at the bottom; ``target.py`` reaches it through the registry):
 
-* ``forward(params, config, cache, tokens, taps, return_replay)`` — same contract as the dense
-  forward: K/V of the block written into the attention layers' cache, GDN conv windows and states
-  advanced past all ``T`` tokens, ``lengths`` not moved. With ``return_replay=True`` it also returns
-  one ``GdnReplay`` record per GDN layer (a tuple).
+* ``forward(params, config, cache, tokens, taps)`` — same contract as the dense forward: K/V of the
+  block written into the attention layers' cache, GDN conv windows and states advanced past all ``T``
+  tokens, ``lengths`` not moved; the replay record is one ``GdnReplay`` per GDN layer (a tuple; under
+  ``jit`` it costs nothing when the caller drops it).
 * ``replay(cache, saved, num_tokens)`` — the cache as if only the first ``num_tokens [B]`` block
   tokens had been fed and committed: GDN windows/states rebuilt from the saved pre-block state and
   per-token inputs (one fixed-length masked pass, no recompilation per length), ``lengths`` advanced.
@@ -30,10 +30,12 @@ from flax import struct
 from jax import Array
 
 from dspine_jax import gdn
-from dspine_jax.cache import HybridCache
-from dspine_jax.config import HybridConfig
+from dspine_jax.cache import HybridCache, init_hybrid_cache
+from dspine_jax.config import HYBRID_TARGET_TYPES, MOE_HYBRID_TYPES, HybridConfig, hybrid_config_from_dict
+from dspine_jax.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps
 from dspine_jax.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
-from dspine_jax.weights import check_consumed, strip_prefix, take
+from dspine_jax.mesh import weight
+from dspine_jax.weights import cast_params, check_consumed, hf_causal_lm_tensors, take, take_embedding_and_head
 
 FULL = "full_attention"
 LINEAR = "linear_attention"
@@ -41,22 +43,27 @@ LINEAR = "linear_attention"
 
 @struct.dataclass
 class GatedAttentionParams:
-    q: Array  # [H, N*2D]: per head [q (D) | gate (D)], HF q_proj layout
-    k: Array  # [H, K*D]
-    v: Array  # [H, K*D]
-    o: Array  # [N*D, H]
-    q_norm: Array  # [D] zero-centred
-    k_norm: Array  # [D] zero-centred
+    q: Array = weight(None, "heads", group="attention")  # [H, N*2D]: per head [q (D) | gate (D)], HF q_proj layout
+    k: Array = weight(None, "kv_heads", group="attention")  # [H, K*D]
+    v: Array = weight(None, "kv_heads", group="attention")  # [H, K*D]
+    o: Array = weight("heads", None, group="attention")  # [N*D, H]
+    q_norm: Array = weight()  # [D] zero-centred
+    k_norm: Array = weight()  # [D] zero-centred
+
+    def for_mesh(self, config: HybridConfig, model_shards: int) -> tuple[GatedAttentionParams, dict[str, bool]]:
+        """Heads split over ``model_shards`` only when query and KV heads both divide."""
+        split = config.num_heads % model_shards == 0 and config.num_kv_heads % model_shards == 0
+        return self, {"attention": split}
 
 
 @struct.dataclass
 class HybridLayer:
     input_norm: Array  # [H] zero-centred
     post_norm: Array  # [H] zero-centred
-    gate: Array  # [H, F]
-    up: Array  # [H, F]
-    down: Array  # [F, H]
-    mixer: GatedAttentionParams | gdn.GdnParams
+    gate: Array = weight(None, "mlp")  # [H, F]
+    up: Array = weight(None, "mlp")  # [H, F]
+    down: Array = weight("mlp", None)  # [F, H]
+    mixer: GatedAttentionParams | gdn.GdnParams = weight()
 
 
 @struct.dataclass
@@ -64,7 +71,7 @@ class HybridParams:
     embed: Array  # [V, H]
     layers: tuple[HybridLayer, ...]  # one per layer, in order
     final_norm: Array  # [H] zero-centred
-    lm_head: Array  # [H, V]
+    lm_head: Array = weight(None, "vocab")  # [H, V]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,27 +143,12 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: HybridConfig,
     The multi-token-prediction head (``mtp.*``) and the vision tower (``model.visual.*``) are dropped;
     every other tensor must be used exactly once.
     """
-    tensors = {n: t for n, t in tensors.items() if not n.startswith(("mtp.", "model.visual.", "visual."))}
-    tensors = strip_prefix(tensors, ["model.language_model.", "language_model."])
-    top_level = ("layers.", "embed_tokens.", "norm.")
-    tensors = {("model." + k if k.startswith(top_level) else k): v for k, v in tensors.items()}
-    v, h = config.vocab_size, config.hidden_size
-    embed = take(tensors, "model.embed_tokens.weight", (v, h))
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-        lm_head = embed.T
-    else:
-        lm_head = take(tensors, "lm_head.weight", (v, h)).T
-    per_layer = [_layer_tensors(tensors, config, i) for i in range(config.num_layers)]
-    final_norm = take(tensors, "model.norm.weight", (h,))
-    tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
+    tensors = hf_causal_lm_tensors(tensors, drop=("mtp.", "model.visual.", "visual."))
+    embed, lm_head = take_embedding_and_head(tensors, config.vocab_size, config.hidden_size, config.tie_word_embeddings)
+    layers = tuple(_layer_tensors(tensors, config, i) for i in range(config.num_layers))
+    final_norm = take(tensors, "model.norm.weight", (config.hidden_size,))
     check_consumed(tensors, config.model_type)
-
-    def cast(x: np.ndarray) -> Array:
-        return jnp.asarray(np.asarray(x, dtype=np.float32), dtype=dtype)
-
-    layers = tuple(jax.tree.map(cast, layer) for layer in per_layer)
-    return HybridParams(embed=cast(embed), layers=layers, final_norm=cast(final_norm), lm_head=cast(lm_head))
+    return cast_params(HybridParams(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head), dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,23 +188,15 @@ def _gated_attention(
 
 
 def forward(
-    params: HybridParams,
-    config: HybridConfig,
-    cache: HybridCache,
-    tokens: Array,
-    taps: tuple[int, ...] = (),
-    return_replay: bool = False,
-) -> tuple[Array, Array, HybridCache, tuple[gdn.GdnReplay, ...] | None]:
+    params: HybridParams, config: HybridConfig, cache: HybridCache, tokens: Array, taps: tuple[int, ...] = ()
+) -> TargetForward:
     """Run ``tokens [B, T]`` at positions ``cache.lengths[:, None] + arange(T)``.
 
     Returns ``hidden [B, T, H]`` (final-normed), ``tapped [len(taps), B, T, H]`` (residual stream after
     each tapped layer), the cache (K/V of the block written, GDN windows/states after all T tokens,
-    lengths unchanged) and, with ``return_replay``, a tuple with one ``GdnReplay`` per GDN layer
-    (else None).
+    lengths unchanged) and the replay record: a tuple with one ``GdnReplay`` per GDN layer.
     """
-    for layer in taps:
-        if not 0 <= layer < config.num_layers:
-            raise ValueError(f"tap layer {layer} out of range for a {config.num_layers}-layer target")
+    check_taps(taps, config.num_layers)
     eps = config.rms_norm_eps
     x = params.embed[tokens]  # [B, T, H]
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
@@ -232,16 +216,15 @@ def forward(
             g = gdn_index[i]
             out, conv[g], state[g], record = gdn.gdn_layer(
                 lp.mixer, h, conv[g], state[g],
-                num_k_heads=config.linear_num_key_heads, eps=eps, return_replay=return_replay,
+                num_k_heads=config.linear_num_key_heads, eps=eps, return_replay=True,
             )
             saved.append(record)
         x = x + out
         x = x + swiglu(rms_norm(x, lp.post_norm, eps, zero_centered=True), lp.gate, lp.up, lp.down)
         residuals.append(x)
     hidden = rms_norm(x, params.final_norm, eps, zero_centered=True)
-    tapped = jnp.stack([residuals[i] for i in taps]) if taps else jnp.zeros((0, *x.shape), x.dtype)
     new_cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v), conv=tuple(conv), state=tuple(state))
-    return hidden, tapped, new_cache, (tuple(saved) if return_replay else None)
+    return TargetForward(hidden, stack_taps(residuals, taps), new_cache, tuple(saved))
 
 
 def replay(cache: HybridCache, saved: tuple[gdn.GdnReplay, ...] | None, num_tokens: Array) -> HybridCache:
@@ -258,3 +241,17 @@ def replay(cache: HybridCache, saved: tuple[gdn.GdnReplay, ...] | None, num_toke
     rebuilt = [gdn.replay_layer(record, num_tokens) for record in saved]
     conv, state = tuple(w for w, _ in rebuilt), tuple(s for _, s in rebuilt)
     return cache.replace(conv=conv, state=state).commit(num_tokens)
+
+
+FAMILY = register_family(
+    TargetFamily(
+        name="hybrid",
+        # The MoE types are registered so their config parser can say what is missing.
+        model_types=HYBRID_TARGET_TYPES + MOE_HYBRID_TYPES,
+        parse_config=hybrid_config_from_dict,
+        params_from_hf=params_from_hf_tensors,
+        init_cache=init_hybrid_cache,
+        forward=forward,
+        replay=replay,
+    )
+)

@@ -12,10 +12,12 @@ split when it divides evenly by the mesh axis; otherwise it is replicated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+from flax import struct
 from jax import Array
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
@@ -32,6 +34,17 @@ RULES: dict[str, str] = {
 }
 
 Axes = Sequence[str | None]  # one logical name (or None = replicated) per array dimension
+
+
+def weight(*axes: str | None, group: str | None = None, default: Any = dataclasses.MISSING) -> Any:
+    """A params-dataclass field that declares its array's logical ``axes`` (one per dimension) next to the
+    shape comment, so ``sharding.place`` needs no list of field names.
+
+    ``group`` names weights that split together or not at all (a layer's heads: q, k, v and o); the
+    layer's ``split_groups(config, model_shards)`` says which groups split on a given mesh. Weights
+    without a group split whenever their dimensions divide (``logical_spec``)."""
+    metadata = {"axes": tuple(axes), "group": group}
+    return struct.field(metadata=metadata, default=default)
 
 
 def make_mesh(tp: int = 1, dp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:

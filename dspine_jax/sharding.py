@@ -13,9 +13,12 @@ injection (all small) are replicated. Caches are created under ``use_mesh`` alre
 ``data``, KV heads on ``model``; dspine_jax/cache.py). A dimension that does not divide evenly by its
 mesh axis stays replicated, so any model runs on any mesh; ``describe`` shows what was split.
 
-Fused projections (a dense layer's q|k|v and gate|up, a Gated-DeltaNet layer's q|k|v conv channels) are
-re-stored group-major first, one group of whole heads per model shard (``target.regroup``,
-``gdn.regroup``), so a shard's columns are its own heads.
+Each weight declares its logical axes where it is defined (``mesh.weight`` on the params dataclass
+field, next to its shape), so this module walks any params pytree without knowing its family. Weights
+that must split together (a layer's heads) name a group; the layer's ``for_mesh(config, shards)`` says
+which of its groups split on this mesh and may re-store fused projections first (a dense layer's q|k|v
+and gate|up, a Gated-DeltaNet layer's q|k|v conv channels: one group of whole heads per model shard,
+``dense.regroup``, ``gdn.regroup``), so a shard's columns are its own heads.
 """
 
 from __future__ import annotations
@@ -24,102 +27,57 @@ import dataclasses
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from dspine_jax import gdn, hybrid
-from dspine_jax.config import HybridConfig
-from dspine_jax.drafter import Drafter, DrafterLayer
-from dspine_jax.mesh import MODEL, Axes, logical_spec
-from dspine_jax.target import DenseLayer, Target, regroup
-
-COLUMNS_HEADS, ROWS_HEADS = (None, "heads"), ("heads", None)
-COLUMNS_KV = (None, "kv_heads")
-COLUMNS_MLP, ROWS_MLP = (None, "mlp"), ("mlp", None)
+from dspine_jax.drafter import Drafter
+from dspine_jax.mesh import MODEL, logical_spec
+from dspine_jax.target import Target
 
 
-def _place(node: Any, mesh: Mesh, **axes: Axes) -> Any:
-    """``node`` (a params dataclass) with each array field put on ``mesh`` by its logical axes (fields not
-    named are replicated). Nested dataclasses are left alone."""
-    mesh_shape = dict(mesh.shape)
+def _put(value: Any, axes: tuple[str | None, ...] | None, mesh: Mesh) -> Any:
+    """An array (or a tuple of arrays, e.g. per-layer weights) placed by its logical axes; None stays None."""
+    if isinstance(value, tuple):
+        return tuple(_put(v, axes, mesh) for v in value)
+    if not isinstance(value, jax.Array):
+        return value
+    spec = logical_spec(value.shape, axes or (None,) * value.ndim, dict(mesh.shape))
+    return jax.device_put(value, NamedSharding(mesh, spec))
+
+
+def place(node: Any, config: Any, mesh: Mesh, splits: dict[str, bool] | None = None) -> Any:
+    """``node`` (a params pytree of ``struct.dataclass``es and tuples) with every array on ``mesh`` by the
+    axes its field declares (``mesh.weight``); undeclared arrays are replicated. A node with a
+    ``for_mesh(config, model_shards)`` method is first re-laid out by it and decides which of its weight
+    groups split (a group that does not split is replicated as a whole)."""
+    if isinstance(node, tuple):
+        return tuple(place(child, config, mesh, splits) for child in node)
+    if not dataclasses.is_dataclass(node):
+        return _put(node, None, mesh)
+    splits = dict(splits or {})
+    if hasattr(node, "for_mesh"):
+        node, own = node.for_mesh(config, mesh.shape[MODEL])
+        splits.update(own)
     updates = {}
     for field in dataclasses.fields(node):
-        value = getattr(node, field.name)
-        if not isinstance(value, jax.Array):
+        if not field.metadata.get("pytree_node", True):
             continue
-        field_axes = axes.get(field.name, (None,) * value.ndim)
-        updates[field.name] = jax.device_put(value, NamedSharding(mesh, logical_spec(value.shape, field_axes, mesh_shape)))
+        value = getattr(node, field.name)
+        if dataclasses.is_dataclass(value) or (isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0])):
+            updates[field.name] = place(value, config, mesh, splits)
+            continue
+        axes, group = field.metadata.get("axes"), field.metadata.get("group")
+        updates[field.name] = _put(value, None if group is not None and not splits.get(group) else axes, mesh)
     return node.replace(**updates)
 
 
-def _replicate(tree: Any, mesh: Mesh) -> Any:
-    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
-
-
-def _when(split: bool, **axes: Axes) -> dict[str, Axes]:
-    """``axes`` if this group of weights is split, else nothing (replicated): a layer's heads are split
-    all together or not at all."""
-    return axes if split else {}
-
-
-def _splits(count: int, mesh: Mesh) -> bool:
-    """Whether ``count`` heads split evenly over the model axis (a layer's heads are split all or none)."""
-    return count % mesh.shape[MODEL] == 0
-
-
-def _dense_layer(lp: DenseLayer, target: Target, mesh: Mesh) -> DenseLayer:
-    c, tp = target.config, mesh.shape[MODEL]
-    attn = tp > 1 and _splits(c.num_heads, mesh) and _splits(c.num_kv_heads, mesh)
-    mlp = tp > 1 and c.intermediate_size % tp == 0
-    lp = regroup(lp, c, tp if attn else 1, tp if mlp else 1)  # one device group per model shard
-    return _place(
-        lp, mesh,
-        **_when(attn, qkv=COLUMNS_HEADS, qkv_bias=("heads",), o=ROWS_HEADS),
-        **_when(mlp, gate_up=COLUMNS_MLP, gate_up_bias=("mlp",), down=ROWS_MLP),
-    )  # fmt: skip
-
-
-def _hybrid_layer(lp: hybrid.HybridLayer, config: HybridConfig, mesh: Mesh) -> hybrid.HybridLayer:
-    mixer = lp.mixer
-    if isinstance(mixer, gdn.GdnParams):
-        split = mesh.shape[MODEL] > 1 and _splits(config.linear_num_key_heads, mesh) and _splits(config.linear_num_value_heads, mesh)
-        if split:  # conv channels regrouped so each model shard holds its own q, k and v heads
-            mixer = gdn.regroup(mixer, config.linear_num_key_heads, mesh.shape[MODEL])
-        mixer = _place(mixer, mesh, **_when(
-            split, qkv=COLUMNS_HEADS, conv=("heads", None), z=COLUMNS_HEADS, b=COLUMNS_HEADS, a=COLUMNS_HEADS,
-            dt_bias=("heads",), a_log=("heads",), out=ROWS_HEADS,
-        ))  # fmt: skip
-    else:
-        split = _splits(config.num_heads, mesh) and _splits(config.num_kv_heads, mesh)
-        mixer = _place(mixer, mesh, **_when(split, q=COLUMNS_HEADS, k=COLUMNS_KV, v=COLUMNS_KV, o=ROWS_HEADS))
-    return _place(lp.replace(mixer=mixer), mesh, gate=COLUMNS_MLP, up=COLUMNS_MLP, down=ROWS_MLP)
-
-
 def shard_target(target: Target, mesh: Mesh) -> Target:
-    """``target`` with its weights laid out on ``mesh`` (dense fused columns regrouped per model shard)."""
-    params = target.params
-    if isinstance(target.config, HybridConfig):
-        layers = tuple(_hybrid_layer(lp, target.config, mesh) for lp in params.layers)
-    else:
-        layers = tuple(_dense_layer(lp, target, mesh) for lp in params.layers)
-    params = _place(params.replace(layers=layers), mesh, lm_head=(None, "vocab"))
-    return target.replace(params=params)
-
-
-def _drafter_layer(lp: DrafterLayer, drafter: Drafter, mesh: Mesh) -> DrafterLayer:
-    c = drafter.config
-    split = _splits(c.num_heads, mesh) and _splits(c.num_kv_heads, mesh)
-    return _place(
-        lp, mesh, **_when(split, q=COLUMNS_HEADS, k=COLUMNS_KV, v=COLUMNS_KV, o=ROWS_HEADS),
-        gate=COLUMNS_MLP, up=COLUMNS_MLP, down=ROWS_MLP,
-    )  # fmt: skip
+    """``target`` with its weights laid out on ``mesh`` (fused columns regrouped per model shard)."""
+    return target.replace(params=place(target.params, target.config, mesh))
 
 
 def shard_drafter(drafter: Drafter, mesh: Mesh) -> Drafter:
     """``drafter`` with its layers split like the target's; fc, norms and the DSpine injection replicated."""
-    params = drafter.params
-    layers = tuple(_drafter_layer(lp, drafter, mesh) for lp in params.layers)
-    rest = _replicate(params.replace(layers=()), mesh)
-    return drafter.replace(params=rest.replace(layers=layers))
+    return drafter.replace(params=place(drafter.params, drafter.config, mesh))
 
 
 def describe(tree: Any) -> dict[str, str]:

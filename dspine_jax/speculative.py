@@ -277,7 +277,7 @@ def prefill_impl(
     state = proposer.init(target, batch, capacity)
     hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, proposer.taps, return_replay=True)
     # replay = commit for dense targets; for hybrids it keeps pad tokens out of the GDN state.
-    cache = tgt.replay(cache, saved, lengths)
+    cache = tgt.replay(target, cache, saved, lengths)
     state = proposer.prefill(target, state, tapped, lengths)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
     first = sample(key, tgt.lm_logits(target, last), temperature, top_p, top_k, greedy)
@@ -349,7 +349,7 @@ def loop_impl(
         columns = jnp.where(slots < n_keep[:, None], counts[:, None] + slots, out.shape[1])  # out of range → dropped
         out = out.at[rows[:, None], columns].set(emitted, mode="drop")
         # 4. commit: the anchor and the kept proposals (the last kept token is the next anchor)
-        cache = tgt.replay(cache, saved, n_keep)
+        cache = tgt.replay(target, cache, saved, n_keep)
         state = proposer.commit(target, carry["state"], tapped, n_keep)
         record = jnp.where(running, carry["rounds"], out_width)  # out of range → dropped
         return dict(

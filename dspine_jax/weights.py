@@ -6,7 +6,10 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
@@ -80,3 +83,28 @@ def check_consumed(tensors: Mapping[str, np.ndarray], what: str) -> None:
 
 def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
     save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in tensors.items()}, str(path), metadata=metadata or {"format": "pt"})
+
+
+def hf_causal_lm_tensors(tensors: Mapping[str, np.ndarray], drop: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """A HF causal-LM's tensors under one naming: wrapper prefixes (``model.language_model.``, …) removed,
+    top-level ``layers.``/``embed_tokens.``/``norm.`` put under ``model.``, rotary buffers and names
+    starting with ``drop`` (heads and towers a family does not run) left out."""
+    tensors = {n: t for n, t in tensors.items() if not (drop and n.startswith(drop)) and not n.endswith("rotary_emb.inv_freq")}
+    tensors = strip_prefix(tensors, ["model.language_model.", "language_model."])
+    top_level = ("layers.", "embed_tokens.", "norm.")
+    return {("model." + k if k.startswith(top_level) else k): v for k, v in tensors.items()}
+
+
+def take_embedding_and_head(tensors: dict[str, np.ndarray], vocab: int, hidden: int, tied: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Pop the input embedding ``[V, H]`` and the LM head as ``[H, V]`` (the embedding's transpose when
+    ``tied``; some exports keep the tied copy, which is dropped)."""
+    embed = take(tensors, "model.embed_tokens.weight", (vocab, hidden))
+    if tied:
+        tensors.pop("lm_head.weight", None)
+        return embed, embed.T
+    return embed, take(tensors, "lm_head.weight", (vocab, hidden)).T
+
+
+def cast_params(tree: Any, dtype: Any) -> Any:
+    """Every numpy leaf of ``tree`` → a jax array of ``dtype`` (through float32, so bf16 files load too)."""
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x, dtype=np.float32), dtype=dtype), tree)

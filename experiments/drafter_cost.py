@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from dspine_jax import drafter as D
-from dspine_jax.config import target_config_from_dict
+from dspine_jax.family import target_config_from_dict
 from dspine_jax.drafter_config import drafter_config_from_dict
-from dspine_jax.target import Target, TargetParams
+from dspine_jax.dense import DenseParams
+from dspine_jax.target import Target
 
 
 def sds(shape: tuple[int, ...], dtype=jnp.float32) -> jax.ShapeDtypeStruct:
@@ -40,7 +41,7 @@ def abstract_target(cfg: dict, dtype) -> Target:
     """Only the embedding and LM head: the draft never touches the target's layers."""
     c = target_config_from_dict(cfg)
     h, v = c.hidden_size, c.vocab_size
-    params = TargetParams(embed=sds((v, h), dtype), layers=(), final_norm=sds((h,), dtype), lm_head=sds((h, v), dtype))
+    params = DenseParams(embed=sds((v, h), dtype), layers=(), final_norm=sds((h,), dtype), lm_head=sds((h, v), dtype))
     return Target(params=params, config=c)
 
 

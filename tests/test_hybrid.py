@@ -18,7 +18,8 @@ from conftest import require
 
 from dspine_jax import target as tgt
 from dspine_jax.cache import HybridCache
-from dspine_jax.config import HybridConfig, UnsupportedModelError, target_config_from_dict
+from dspine_jax.config import HybridConfig, UnsupportedModelError
+from dspine_jax.family import target_config_from_dict
 from dspine_jax.weights import load_safetensors_dir, save_safetensors
 
 HYBRID_COMMON = dict(

@@ -233,7 +233,7 @@ def prefill_slot(
     small = _resume_row(cache, tgt.init_cache(target, 1, capacity), slot, fresh)
     lengths = length[None].astype(jnp.int32)
     hidden, tapped, small, saved = tgt.forward(target, small, tokens, taps, return_replay=True)
-    small = tgt.replay(small, saved, lengths)
+    small = tgt.replay(target, small, saved, lengths)
     cache = _write_row(cache, small, slot)
     if drafter is not None:
         dsmall = _resume_row(dstate, dr.init_draft_cache(drafter, 1, capacity), slot, fresh)
@@ -322,7 +322,7 @@ def step_rows(
     n_keep = jnp.where(running, jnp.maximum(n_keep, 0), 0)
     hit_stop = jnp.any(is_stop & (slots < n_keep[:, None]), axis=1)
     # The anchor and the kept proposals enter the caches; the last kept token is the next anchor.
-    cache = tgt.replay(cache, saved, n_keep)
+    cache = tgt.replay(target, cache, saved, n_keep)
     if t > 1:
         dstate = dr.append_context(drafter, dstate, tapped, n_keep)
     return cache, dstate, emitted, n_keep, accepted, hit_stop, jax.random.key_data(key_next)
