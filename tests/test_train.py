@@ -438,3 +438,35 @@ def test_cli_train_resume_export(tiny_models, tiny_target, tiny_dataset, tmp_pat
     assert "γ = 7 position decay" in card and "β warm-up 0→0.5 over 3 steps" in card
     assert "mask token = id 127" in card
     assert "--alignment-warmup-steps 3" in card and "--loss-decay-gamma 7 --mask-token-id 127" in card
+
+
+def test_cli_taps_and_init_from_target(tiny_models, tiny_target, tiny_dataset, tmp_path):
+    """--target-layers fixes the taps whatever the depth; --init-from-target starts from the target's
+    last layers; both are recorded in the export and in the card's reproduce command."""
+    import numpy as np
+
+    from dspine_jax.train.__main__ import build_drafter, main
+    from dspine_jax.train.card import write_card
+
+    target = tiny_target
+    tokens, mask = tiny_dataset
+    data = tmp_path / "data"
+    (data / "gen").mkdir(parents=True)
+    rows = [{"key": str(i), "domain": "code", "prompt_ids": t[: m.index(True)], "response_ids": t[m.index(True):],
+             "finish": "length"} for i, (t, m) in enumerate(zip(tokens.tolist(), mask.tolist()))]  # fmt: skip
+    (data / "gen" / "train_0000.json").write_text(json.dumps(rows))
+    (data / "prompts.json").write_text(json.dumps({"train": {}, "heldout": {"code": [{"key": "h", "prompt_ids": [7, 8]}]}}))
+    out = tmp_path / "run"
+    f = target.config.intermediate_size
+    main(["--target", str(tiny_models["llama"][0]), "--kind", "dflash", "--data", str(data), "--out", str(out),
+          "--steps", "2", "--batch-size", "2", "--anchors", "2", "--layers", "1", "--intermediate-size", str(f),
+          "--block-size", str(BLOCK), "--max-len", "24", "--target-layers", "0,2", "--init-from-target",
+          "--no-progress"])  # fmt: skip
+    exported = json.loads((out / "export" / "config.json").read_text())
+    assert exported["dflash_config"]["target_layer_ids"] == [0, 2] and exported["num_hidden_layers"] == 1
+    fresh = build_drafter(target, json.loads((out / "run.json").read_text()))
+    last = target.params.layers[-1]
+    np.testing.assert_array_equal(np.asarray(fresh.params.layers[0].down), np.asarray(last.down))
+    write_card(out, tmp_path / "card", data=data)
+    card = (tmp_path / "card" / "README.md").read_text()
+    assert "--target-layers 0,2 --init-from-target" in card and "initialised from the target's last 1" in card

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transfer-rank", type=int, default=64)
     ap.add_argument("--message-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--target-layers", default=None,
+                    help="comma-separated target layers to tap (default: z-lab's rule, one per drafter layer); "
+                    "drafters of different depths share features when they tap the same layers")
     ap.add_argument("--init-from-target", action="store_true",
                     help="initialise the drafter's layers from the target's last layers (needs the target's MLP "
                     "width: --intermediate-size = the target's)")
@@ -81,9 +84,19 @@ def build_drafter(target, run: dict[str, Any]):
         target, kind=run["kind"], num_layers=run["layers"], intermediate_size=run["intermediate_size"],
         transfer_rank=run["transfer_rank"] if run["kind"] == "dspine" else None,
         message_size=run["message_size"] if run["kind"] == "dspine" else None,
-        block_size=run["block_size"], seed=run["seed"], mask_token_id=mask,
+        block_size=run["block_size"], seed=run["seed"], mask_token_id=mask, target_layer_ids=tapped_layers(target, run),
     )  # fmt: skip
     return copy_target_layers(drafter, target) if run.get("init_from_target") else drafter
+
+
+def tapped_layers(target, run: dict[str, Any]) -> tuple[int, ...]:
+    """The run's target taps: ``--target-layers`` or z-lab's rule for its depth."""
+    from dspine_jax.drafter_config import build_target_layer_ids
+
+    given = run.get("target_layers")
+    if given:
+        return tuple(int(x) for x in str(given).split(","))
+    return tuple(build_target_layer_ids(target.config.num_layers, run["layers"]))
 
 
 def _tokenizer_or_none(source: str):
@@ -120,7 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from dspine_jax.drafter_config import build_target_layer_ids
     from dspine_jax.drafter_io import default_mask_token_id, save_drafter
     from dspine_jax.generate import enable_compilation_cache
     from dspine_jax.target import load_target
@@ -145,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     if run["mask_token_id"] is None and previous is None:
         run["mask_token_id"] = default_mask_token_id(target, _tokenizer_or_none(args.target))
     run_file.write_text(json.dumps(run, indent=2) + "\n")
-    taps = build_target_layer_ids(target.config.num_layers, args.layers)
+    taps = tapped_layers(target, run)
     tokens, mask, features = build_features(args.target, args.data, taps, args.max_len, progress=not args.no_progress)
     dataset = Dataset(tokens, mask, features)
     drafter = build_drafter(target, run)
