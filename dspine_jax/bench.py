@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -33,6 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
+
+from dspine_jax.drafter_io import load_draft
+from dspine_jax.generate import encode_prompt, generate
+from dspine_jax.hub import resolve_model_dir
+from dspine_jax.speculative import speculative_generate
+from dspine_jax.target import load_target
+from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax.train.data import DOMAINS, default_data_dir, encode_messages, load_heldout
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -44,7 +54,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine_info() -> dict[str, Any]:
-    import os
 
     return {
         "platform": platform.platform(),
@@ -73,7 +82,6 @@ class Run:
 
 
 def run_ours(target, prompt: list[int], n: int) -> Run:
-    from dspine_jax.generate import generate
 
     result = generate(target, [prompt], n, stop_ids=[])
     assert len(result.token_ids[0]) == n
@@ -82,7 +90,6 @@ def run_ours(target, prompt: list[int], n: int) -> Run:
 
 def run_speculative(target, drafter, prompt: list[int], n: int) -> Run:
     """τ = tokens per verify step; the first token is prefill's and not counted (``mean_acceptance``)."""
-    from dspine_jax.speculative import speculative_generate
 
     result = speculative_generate(target, drafter, [prompt], n, stop_ids=[])
     assert len(result.token_ids[0]) == n
@@ -122,10 +129,6 @@ def load_hf(model_dir: Path, dtype: str):
 
 
 def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str], draft: str | None = None) -> dict[str, Any]:
-    from dspine_jax.generate import encode_prompt
-    from dspine_jax.hub import resolve_model_dir
-    from dspine_jax.target import load_target
-    from dspine_jax.tokenizer import load_tokenizer
 
     model_dir = resolve_model_dir(model)
     tokenizer = load_tokenizer(model_dir)
@@ -136,7 +139,6 @@ def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str],
         hf = load_hf(model_dir, dtype)
         systems = {"ours": lambda p: run_ours(ours, p, n), "hf": lambda p: run_hf(hf, p, n)}
         if draft:
-            from dspine_jax.speculative import load_draft
 
             drafter = load_draft(draft, ours)
             systems["ours+draft"] = lambda p: run_speculative(ours, drafter, p, n)
@@ -203,7 +205,6 @@ class ReportPrompt:
 
 def load_heldout_prompts(model: str, data_dir: Path | None = None) -> dict[str, list[dict]]:
     """The drafter data's held-out split (``dspine_jax.train.data.load_heldout``): never trained on."""
-    from dspine_jax.train.data import default_data_dir, load_heldout
 
     data = Path(data_dir) if data_dir else default_data_dir() / Path(model).name
     if not any(data.glob("prompts*.json")):
@@ -216,7 +217,6 @@ def select_prompts(held: Mapping[str, Sequence[Mapping]], per_domain: int,
                    encode: Callable[[list[dict]], list[int]] | None = None) -> list[ReportPrompt]:
     """The first ``per_domain`` records of each domain (DOMAINS order). A record's chat ``messages`` are
     encoded with ``encode`` (the acceptance study's ``encode_messages``); else its ``prompt_ids`` are used."""
-    from dspine_jax.train.data import DOMAINS
 
     if per_domain < 1:
         raise ValueError(f"--prompts-per-domain must be >= 1, got {per_domain}")
@@ -245,8 +245,6 @@ def check_drafter(name: str, spec: str) -> None:
 
 def make_systems(model_dir: Path, dtype: str, n: int,
                  drafters: Mapping[str, str]) -> dict[str, Callable[[list[int]], Run]]:
-    from dspine_jax.speculative import load_draft
-    from dspine_jax.target import load_target
 
     ours, hf = load_target(model_dir, dtype=dtype), load_hf(model_dir, dtype)
     dflash, dspine = load_draft(drafters["ours+dflash"], ours), load_draft(drafters["ours+dspine"], ours)
@@ -314,7 +312,6 @@ def build_report(model: str, n: int, repeats: int, per_domain: int, drafters: Ma
     sets torch's intra-op threads for the HF systems (default: torch's own choice); recorded either way."""
     import torch
 
-    from dspine_jax.hub import resolve_model_dir
 
     drafters = {**DEFAULT_DRAFTERS, **(drafters or {})}
     if n < 1 or repeats < 1:
@@ -355,8 +352,6 @@ def encoder(model_dir: Path, held: Mapping[str, Sequence[Mapping]]) -> Callable[
     """``encode_messages`` with the model's tokenizer, loaded only if some record has chat messages."""
     if not any("messages" in r for rs in held.values() for r in rs):
         return None
-    from dspine_jax.tokenizer import load_tokenizer
-    from dspine_jax.train.data import encode_messages
 
     tokenizer = load_tokenizer(model_dir)
     return lambda messages: encode_messages(tokenizer, messages)
@@ -414,7 +409,6 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     dtypes = list(report["results"])
     fig, axes = plt.subplots(len(dtypes), 2, figsize=(13, 4.6 * len(dtypes)), squeeze=False,

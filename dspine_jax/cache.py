@@ -31,13 +31,9 @@ def sharded_zeros(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | No
     return constrain(jnp.zeros(shape, dtype), axes)
 
 
-@struct.dataclass
-class KVCache:
-    # One buffer per layer, heads-major: exactly the operands attention consumes, so a decode step
-    # neither slices a stacked cache nor transposes it (on XLA:CPU both are full copies).
-    k: tuple[Array, ...]  # L × [B, K, S, D]
-    v: tuple[Array, ...]  # L × [B, K, S, D]
-    lengths: Array  # [B] int32, committed tokens per row
+class _Rows:
+    """What every target cache has: ``lengths [B]`` committed tokens per row, K/V buffers of ``capacity``
+    slots (``v``), and a commit of the block just written."""
 
     @property
     def capacity(self) -> int:
@@ -47,9 +43,18 @@ class KVCache:
     def batch(self) -> int:
         return self.lengths.shape[0]
 
-    def commit(self, num_tokens: Array) -> "KVCache":
+    def commit(self, num_tokens: Array):
         """Keep ``num_tokens [B]`` more tokens of the block just written."""
         return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
+
+
+@struct.dataclass
+class KVCache(_Rows):
+    # One buffer per layer, heads-major: exactly the operands attention consumes, so a decode step
+    # neither slices a stacked cache nor transposes it (on XLA:CPU both are full copies).
+    k: tuple[Array, ...]  # L × [B, K, S, D]
+    v: tuple[Array, ...]  # L × [B, K, S, D]
+    lengths: Array  # [B] int32, committed tokens per row
 
 
 def init_kv_cache(config: TargetConfig, batch: int, capacity: int, dtype: jnp.dtype) -> KVCache:
@@ -62,7 +67,7 @@ def init_kv_cache(config: TargetConfig, batch: int, capacity: int, dtype: jnp.dt
 
 
 @struct.dataclass
-class HybridCache:
+class HybridCache(_Rows):
     """Cache of a hybrid target: K/V for the full-attention layers only, GDN state for the others.
 
     Per-layer buffers, like ``KVCache``: ``La`` full-attention layers and ``Lg`` GDN layers (each in
@@ -75,22 +80,8 @@ class HybridCache:
     conv: tuple[Array, ...]  # Lg × [B, C, W] float32: the last W conv inputs (pre-conv q|k|v projections)
     state: tuple[Array, ...]  # Lg × [B, Nv, Dk, Dv] float32: recurrent state
     lengths: Array  # [B] int32, committed tokens per row
-
-    @property
-    def capacity(self) -> int:
-        return self.v[0].shape[2]
-
-    @property
-    def batch(self) -> int:
-        return self.lengths.shape[0]
-
-    def commit(self, num_tokens: Array) -> "HybridCache":
-        """Keep ``num_tokens [B]`` more tokens of the block just written.
-
-        Only correct for the GDN state when ``num_tokens`` is the whole block; otherwise use
-        ``hybrid.replay`` (it rewinds the GDN state and commits in one step).
-        """
-        return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
+    # ``commit`` keeps the GDN state right only when it keeps the whole block; a shorter prefix needs
+    # ``hybrid.replay`` (it rewinds the GDN state and commits in one step).
 
 
 def init_hybrid_cache(config: HybridConfig, batch: int, capacity: int, dtype: jnp.dtype) -> HybridCache:

@@ -67,9 +67,8 @@ def as_id_tuple(ids: int | list[int] | None) -> tuple[int, ...]:
     return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
 
-def dense_config_from_dict(cfg: dict[str, Any]) -> TargetConfig:
-    """``config.json`` of a ``llama`` / ``qwen3`` model → TargetConfig (the dense family, dense.py)."""
-    model_type = cfg.get("model_type")
+def _common_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The ``TargetConfig`` fields every family reads the same way (widths, heads, norms, RoPE, ids)."""
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -78,7 +77,30 @@ def dense_config_from_dict(cfg: dict[str, Any]) -> TargetConfig:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
-    num_layers = int(cfg["num_hidden_layers"])
+    return dict(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=as_id_tuple(cfg.get("eos_token_id")),
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+
+
+def dense_config_from_dict(cfg: dict[str, Any]) -> TargetConfig:
+    """``config.json`` of a ``llama`` / ``qwen3`` model → TargetConfig (the dense family, dense.py)."""
+    model_type = cfg.get("model_type")
+    common = _common_fields(cfg, model_type)
+    num_layers = common["num_layers"]
     layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
     window = cfg.get("sliding_window")
     windows = []
@@ -90,25 +112,11 @@ def dense_config_from_dict(cfg: dict[str, Any]) -> TargetConfig:
         else:
             raise UnsupportedModelError(f"layer type {kind!r} is not supported for {model_type}")
     return TargetConfig(
-        model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **common,
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=model_type == "qwen3",
         layer_windows=tuple(windows),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=as_id_tuple(cfg.get("eos_token_id")),
-        pad_token_id=cfg.get("pad_token_id"),
     )
 
 
@@ -196,9 +204,6 @@ def hybrid_config_from_dict(cfg: dict[str, Any]) -> HybridConfig:
             )
     if cfg.get("attention_bias"):
         raise UnsupportedModelError(f"{family} with attention_bias=true is not supported yet")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
     kinds = cfg.get("layer_types")
     if not kinds:
         interval = int(cfg.get("full_attention_interval", 4))
@@ -209,37 +214,18 @@ def hybrid_config_from_dict(cfg: dict[str, Any]) -> HybridConfig:
     for kind in kinds:
         if kind not in ("linear_attention", "full_attention"):
             raise UnsupportedModelError(f"layer type {kind!r} is not supported for {family}")
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    if heads % kv_heads:
-        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    common = _common_fields(cfg, family)
     rope = cfg.get("rope_parameters") or {}
     factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     if nv % nk:
         raise ValueError(f"linear_num_value_heads={nv} is not a multiple of linear_num_key_heads={nk}")
     return HybridConfig(
-        model_type=family,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **common,
         qk_norm=True,
         layer_windows=(0,) * num_layers,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=as_id_tuple(cfg.get("eos_token_id")),
-        pad_token_id=cfg.get("pad_token_id"),
         layer_kinds=kinds,
-        rotary_dim=int(head_dim * factor),
+        rotary_dim=int(common["head_dim"] * factor),
         linear_num_key_heads=nk,
         linear_num_value_heads=nv,
         linear_key_head_dim=int(cfg["linear_key_head_dim"]),

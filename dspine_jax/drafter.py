@@ -57,7 +57,7 @@ F, V, L layers, C candidates, R transfer rank, M message width; P = T - 1 propos
 from __future__ import annotations
 
 import functools
-import math
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,17 +65,12 @@ from flax import struct
 from jax import Array
 
 from dspine_jax.cache import KV_AXES, LENGTHS_AXES, sharded_zeros
-from dspine_jax.drafter_config import DrafterConfig
+from dspine_jax.drafter_config import DrafterConfig, drafter_kind, register_drafter_kind
 from dspine_jax.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.mesh import per_device, weight
 from dspine_jax.sampling import process_logits
 from dspine_jax.target import Target, lm_logits
 from kernels.pallas import draft_attention as _attention_kernel
-from kernels.pallas import transition_cache as _transition_kernel
-
-# F.normalize's epsilon: a zero readout stays zero instead of dividing by zero.
-_NORMALIZE_EPS = 1e-12
-
 
 # ----------------------------------------------------------------------------------------------
 # Parameters
@@ -105,24 +100,15 @@ class DrafterLayer:
 
 
 @struct.dataclass
-class Injection:
-    """DSpine adjacent causal injection: per-layer readouts/writes, shared message/gates/bias."""
-
-    readouts: tuple[Array, ...]  # L × [H, R]
-    writes: tuple[Array, ...]  # L × [M, H]
-    message: Array  # [R, M]
-    receiver_gate: Array  # [R, M]
-    predecessor_gate: Array  # [R, M]
-    bias: Array  # [M]
-
-
-@struct.dataclass
 class DrafterParams:
+    """The backbone every kind shares, plus DSpine's injection (``dspine.Injection``) and transfer codes.
+    A kind with other weights of its own subclasses this (its loader and initialiser build it)."""
+
     fc: Array  # [n_taps*H, H]
     hidden_norm: Array  # [H]
     layers: tuple[DrafterLayer, ...]  # L layers
     norm: Array  # [H]
-    injection: Injection | None = None  # DSpine only
+    injection: Any = None  # dspine.Injection (DSpine only)
     transfer_codes: Array | None = None  # [V, R] DSpine only; fixed, derived from the target's LM head
 
 
@@ -132,6 +118,11 @@ class Drafter:
 
     params: DrafterParams
     config: DrafterConfig = struct.field(pytree_node=False)
+
+    @property
+    def kind(self) -> DFlash:
+        """The registered kind (``config.kind``) whose methods run this drafter."""
+        return drafter_kind(self.config.kind)
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -162,8 +153,9 @@ class DraftCache:
 
 @struct.dataclass
 class BlockForward:
-    hidden: Array  # [B, T, H] after the final norm (unary logits come from here)
+    hidden: Array  # [B, T, H] after the final norm (unary logits come from here); [B, A, T, H] in training
     pre_injection: Array  # [B, T, H] last layer's output before its injection (LWR restarts here)
+    features: Array | None = None  # [L, B, A, T, R] post-injection readout features, when asked for (DSpine)
 
 
 @struct.dataclass
@@ -171,6 +163,32 @@ class DraftOutput:
     tokens: Array  # [B, P] int32 proposals for block slots 1..P
     cand_ids: Array  # [B, P, C] int32
     q: Array  # [B, P, C] float32, rows sum to 1
+
+
+@struct.dataclass
+class Candidates:
+    """What a kind's decode head chooses among: ``cand_ids [B, P, C]`` and their ``scores`` — unary logits
+    ``[B, P, C]`` (DFlash) or a transition table ``[B, P, C, C]`` conditioned on the predecessor (DSpine)."""
+
+    cand_ids: Array
+    scores: Array
+
+
+class Replacement(NamedTuple):
+    """Training's predecessor replacement (teacher forcing): in the first ``layers`` layers, blocks with
+    ``mask [B, A]`` set take the true predecessor's code ``codes [B, A, P, R]`` as their message."""
+
+    mask: Array
+    codes: Array
+    layers: int
+
+
+# ``attend(layer, q [B, T', N, D], k [B, T', K, D], v [B, T', K, D]) → [B, T', N, D]``: the block's queries
+# against whatever context the caller keeps (the ring cache at inference, the whole sequence in training)
+# and against the block's own keys. T' = A·T when A blocks run side by side.
+Attend = Callable[[int, Array, Array, Array], Array]
+# ``choose(scores [B, C], key) → (index [B], q [B, C])``: one slot's pick and the distribution it drew from.
+Choose = Callable[[Array, Array], tuple[Array, Array]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,32 +227,37 @@ def fuse_context(drafter: Drafter, tapped: Array) -> Array:
     return rms_norm(concat @ drafter.params.fc, drafter.params.hidden_norm, drafter.config.rms_norm_eps)
 
 
+def context_kv(drafter: Drafter, layer: int, ctx: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+    """One layer's context keys (k_norm, RoPE) and values from ``ctx [B, S, H]`` → ``[B, S, K, D]`` each.
+    ``ctx`` does not pass through ``input_layernorm``."""
+    config, lp = drafter.config, drafter.params.layers[layer]
+    b, s, _ = ctx.shape
+    kh, d = config.num_kv_heads, config.head_dim
+    k = apply_rope(rms_norm((ctx @ lp.k).reshape(b, s, kh, d), lp.k_norm, config.rms_norm_eps), cos, sin)
+    return k, (ctx @ lp.v).reshape(b, s, kh, d)
+
+
 def append_context(drafter: Drafter, cache: DraftCache, tapped: Array, num_new: Array) -> DraftCache:
     """Commit ``num_new [B]`` (≤ T) tokens' target features ``tapped [n, B, T, H]`` at positions
     ``lengths … lengths+num_new-1``: every layer's context K/V into the ring, then ``lengths += num_new``.
 
-    Context K/V depend only on ``ctx`` and each layer's own k/v projections (``ctx`` does not pass through
-    ``input_layernorm``), so every layer's are computed here, once, rather than inside the draft forward.
-    Only the last ``S`` of a row's new tokens are written (a long prompt into a short window ring), so
-    no two writes of one call hit the same slot.
+    Context K/V depend only on ``ctx`` and each layer's own k/v projections, so every layer's are
+    computed here, once, rather than inside the draft forward. Only the last ``S`` of a row's new tokens
+    are written (a long prompt into a short window ring), so no two writes of one call hit the same slot.
     """
-    config = drafter.config
-    b, kh, s, d = cache.k[0].shape
+    b, _, s, d = cache.k[0].shape
     t = tapped.shape[2]
     ctx = fuse_context(drafter, tapped)  # [B, T, H]
     positions = cache.lengths[:, None] + jnp.arange(t)  # [B, T]
-    cos, sin = rope_cos_sin(positions, d, config.rope_theta, ctx.dtype)  # [B, T, D]
+    cos, sin = rope_cos_sin(positions, d, drafter.config.rope_theta, ctx.dtype)  # [B, T, D]
     num_new = num_new.astype(jnp.int32)
     offset = jnp.arange(t)[None, :]
     keep = (offset < num_new[:, None]) & (offset >= num_new[:, None] - s)  # [B, T]
     slots = jnp.where(keep, jnp.mod(positions, s), s)  # slot s is out of range → dropped
     rows = jnp.arange(b)[:, None]
     new_k, new_v = [], []
-    for lp, cache_k, cache_v in zip(drafter.params.layers, cache.k, cache.v):
-        k = apply_rope(
-            rms_norm((ctx @ lp.k).reshape(b, t, kh, d), lp.k_norm, config.rms_norm_eps), cos, sin
-        )  # [B, T, K, D]
-        v = (ctx @ lp.v).reshape(b, t, kh, d)
+    for layer, (cache_k, cache_v) in enumerate(zip(cache.k, cache.v)):
+        k, v = context_kv(drafter, layer, ctx, cos, sin)  # [B, T, K, D]
         # A scatter along S of the heads-major buffer: in place (no cache-sized copy) for f32 on
         # XLA:CPU and on accelerators. (XLA:CPU converts a bf16 buffer to f32 around a scatter.)
         new_k.append(cache_k.at[rows, :, slots].set(k, mode="drop"))
@@ -243,100 +266,27 @@ def append_context(drafter: Drafter, cache: DraftCache, tapped: Array, num_new: 
 
 
 # ----------------------------------------------------------------------------------------------
-# DSpine injection pieces (shared by the forward, LWR, the transition table and the sequential walk
-# so that the table and the sequential reference run literally the same math)
-
-
-def _feature(h: Array, readout: Array, rank: int) -> Array:
-    """``√R · normalize(readout(h))`` — h ``[..., H]``, readout ``[H, R]`` → ``[..., R]``; norm in f32."""
-    projected = (h @ readout).astype(jnp.float32)
-    norm = jnp.maximum(jnp.linalg.norm(projected, axis=-1, keepdims=True), _NORMALIZE_EPS)
-    return (math.sqrt(rank) * (projected / norm)).astype(h.dtype)
-
-
-def _code(drafter: Drafter, token_ids: Array) -> Array:
-    """Predecessor message of a known token: ``√R · C[token]`` — ``[...]`` → ``[..., R]``."""
-    codes = drafter.params.transfer_codes
-    return codes[token_ids] * jnp.asarray(math.sqrt(drafter.config.transfer_rank), codes.dtype)
-
-
-def _write(inj: Injection, layer: int, h: Array, receiver_logit: Array, predecessor: Array) -> Array:
-    """``h + (‖h‖/√H) · write_l(σ(receiver_gate(f) + predecessor_gate(pred) + bias) ⊙ message(pred))``.
-
-    h ``[..., H]``; receiver_logit = ``receiver_gate(f)`` ``[..., M]`` (precomputed: it depends on the
-    receiving slot only, so LWR computes it once per slot instead of once per candidate); predecessor
-    ``[..., R]``. Leading axes broadcast. (``transition_table``'s reference path,
-    ``kernels/pallas/transition_cache.py``, runs the same ops for every candidate predecessor.)
-    """
-    gate = jax.nn.sigmoid(receiver_logit + predecessor @ inj.predecessor_gate + inj.bias)
-    delta = (gate * (predecessor @ inj.message)) @ inj.writes[layer]  # [..., H]
-    scale = (jnp.linalg.norm(h.astype(jnp.float32), axis=-1, keepdims=True) / math.sqrt(h.shape[-1])).astype(h.dtype)
-    return h + scale * delta
-
-
-def _inject(drafter: Drafter, layer: int, h: Array, anchor: Array) -> Array:
-    """One layer's adjacent injection on ``h [B, T, H]``. Slot 0 is untouched; slot 1's predecessor is
-    the anchor's code, slot t ≥ 2's is slot t-1's readout feature. All features are read before any
-    write, so every slot updates in parallel."""
-    inj, rank = drafter.params.injection, drafter.config.transfer_rank
-    features = _feature(h, inj.readouts[layer], rank)  # [B, T, R]
-    predecessors = jnp.concatenate([_code(drafter, anchor)[:, None, :], features[:, 1:-1]], axis=1)  # [B, P, R]
-    successors = _write(inj, layer, h[:, 1:], features[:, 1:] @ inj.receiver_gate, predecessors)
-    return jnp.concatenate([h[:, :1], successors], axis=1)
-
-
-def refine(drafter: Drafter, pre: Array, predecessor_ids: Array) -> Array:
-    """Last-write refinement: redo the last layer's write from its pre-injection state with a known
-    predecessor token's code, then the final norm. pre ``[..., H]``, predecessor_ids ``[...]`` → ``[..., H]``."""
-    inj, last = drafter.params.injection, drafter.config.num_layers - 1
-    receiver_logit = _feature(pre, inj.readouts[last], drafter.config.transfer_rank) @ inj.receiver_gate
-    written = _write(inj, last, pre, receiver_logit, _code(drafter, predecessor_ids))
-    return rms_norm(written, drafter.params.norm, drafter.config.rms_norm_eps)
-
-
-def _head_rows(target: Target, ids: Array) -> Array:
-    """LM-head rows of token ids: ``[...]`` → ``[..., H]`` (a column gather from the ``[H, V]`` head, so
-    the full head is never transposed)."""
-    return jnp.moveaxis(jnp.take(target.params.lm_head, ids, axis=1), 0, -1)
-
-
-def transition_table(drafter: Drafter, target: Target, pre: Array, cand_ids: Array, anchor: Array) -> Array:
-    """``T[b, i, k, j] = ⟨LWR(pre_i, C[pred_{i,k}]), head[cand_{i,j}]⟩`` for every adjacent candidate pair.
-
-    pre ``[B, P, H]`` (pre-injection states of slots 1..P), cand_ids ``[B, P, C]``, anchor ``[B]`` →
-    float32 ``[B, P, C, C]``. Slot 1's predecessors are all the anchor (its C rows are identical); slot
-    i ≥ 2's are the C candidates of slot i-1.
-    """
-    inj, last = drafter.params.injection, drafter.config.num_layers - 1
-    b, _, c = cand_ids.shape
-    predecessors = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)), cand_ids[:, :-1]], axis=1)
-    receiver_logit = _feature(pre, inj.readouts[last], drafter.config.transfer_rank) @ inj.receiver_gate  # [B, P, M]
-    weights = _transition_kernel.LWRWeights(inj.predecessor_gate, inj.message, inj.bias, inj.writes[last], drafter.params.norm)
-    # Kernel dispatch (kernels/pallas/dispatch.py, at trace time): the jnp reference (the same ops as
-    # ``refine`` + scoring), or the fused Pallas kernel that keeps the [B, P, C, H] refined states on chip.
-    # Under a mesh each device scores its own rows.
-    rows = ("batch", None, None)
-    scores = per_device(
-        functools.partial(_transition_kernel.transition_scores, eps=drafter.config.rms_norm_eps),
-        [rows, rows, rows + (None,), rows + (None,), None], rows + (None,),
-    )  # fmt: skip
-    return scores(pre, receiver_logit, _code(drafter, predecessors), _head_rows(target, cand_ids), weights)
-
-
-# ----------------------------------------------------------------------------------------------
-# Backbone forward
+# Backbone
 
 
 def block_tokens(drafter: Drafter, anchor: Array) -> Array:
-    """``[anchor, MASK × (T-1)]`` → ``[B, T]`` int32."""
+    """``[anchor, MASK × (T-1)]`` → ``[B, T]`` int32 (``anchor [B]``; any leading axes work)."""
     t = drafter.config.block_size
-    mask = jnp.full((anchor.shape[0], t - 1), drafter.config.mask_token_id, jnp.int32)
-    return jnp.concatenate([anchor.astype(jnp.int32)[:, None], mask], axis=1)
+    mask = jnp.full((*anchor.shape, t - 1), drafter.config.mask_token_id, jnp.int32)
+    return jnp.concatenate([anchor.astype(jnp.int32)[..., None], mask], axis=-1)
 
 
-def _layer(drafter: Drafter, layer: int, x: Array, cache: DraftCache, cos: Array, sin: Array) -> Array:
-    """One decoder layer on the block ``x [B, T, H]``: queries from the block, keys/values from
-    ``[cached context ; block]``."""
+def embed_block(drafter: Drafter, embed: Array, tokens: Array) -> Array:
+    """Block tokens ``[..., T]`` → ``[..., T, H]`` through the target's own input embedding ``[V, H]``."""
+    x = embed[tokens].astype(drafter.dtype)
+    if drafter.config.input_embedding_scale != 1.0:
+        x = x * drafter.config.input_embedding_scale
+    return x
+
+
+def backbone_layer(drafter: Drafter, layer: int, x: Array, cos: Array, sin: Array, attend: Attend) -> Array:
+    """One decoder layer on ``x [B, T', H]`` with RoPE tables ``[B, T', D]`` of the block positions: queries
+    from the block, keys/values from the block and whatever context ``attend`` brings."""
     config = drafter.config
     lp = drafter.params.layers[layer]
     b, t, _ = x.shape
@@ -345,42 +295,27 @@ def _layer(drafter: Drafter, layer: int, x: Array, cache: DraftCache, cos: Array
     q = apply_rope(rms_norm((normed @ lp.q).reshape(b, t, n, d), lp.q_norm, eps), cos, sin)
     k = apply_rope(rms_norm((normed @ lp.k).reshape(b, t, kh, d), lp.k_norm, eps), cos, sin)
     v = (normed @ lp.v).reshape(b, t, kh, d)
+    x = x + attend(layer, q, k, v).reshape(b, t, n * d) @ lp.o
+    return x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
+
+
+def cache_attention(drafter: Drafter, cache: DraftCache) -> Attend:
+    """Inference attention: the block against the ring cache's context and causally/bidirectionally
+    inside itself (one block per row)."""
+    config = drafter.config
     # Kernel dispatch (kernels/pallas/dispatch.py, at trace time): the jnp reference, or the Pallas kernel with
     # the same semantics (tiles skipped, not masked). Under a mesh each device attends its own rows and heads
     # (query heads split together with their KV heads).
     heads, kv_heads, ctx = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", "kv_heads", None, None)
-    attention = per_device(
-        functools.partial(_attention_kernel.draft_attention, window=config.layer_windows[layer], causal=config.layer_causal[layer]),
-        [heads, ctx, ctx, kv_heads, kv_heads, ("batch",)], heads,
-    )  # fmt: skip
-    attn = attention(q, cache.k[layer], cache.v[layer], k, v, cache.lengths)
-    x = x + attn.reshape(b, t, n * d) @ lp.o
-    return x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
 
+    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
+        attention = per_device(
+            functools.partial(_attention_kernel.draft_attention, window=config.layer_windows[layer], causal=config.layer_causal[layer]),
+            [heads, ctx, ctx, kv_heads, kv_heads, ("batch",)], heads,
+        )  # fmt: skip
+        return attention(q, cache.k[layer], cache.v[layer], k, v, cache.lengths)
 
-def forward(drafter: Drafter, target: Target, cache: DraftCache, tokens: Array, inject: bool = True) -> BlockForward:
-    """Run the block ``tokens [B, T]`` (normally ``block_tokens(anchor)``) at positions
-    ``cache.lengths + arange(T)`` against the cached context.
-
-    The layer loop is unrolled in Python (L is small): each layer's window/causality is static, and
-    XLA's cost analysis then counts every layer (it counts a loop body once). ``inject=False`` runs a
-    DSpine drafter's backbone alone (used to cost the injection separately).
-    """
-    config = drafter.config
-    t = tokens.shape[1]
-    x = target.params.embed[tokens].astype(drafter.dtype)  # [B, T, H]: the target's own embedding
-    if config.input_embedding_scale != 1.0:
-        x = x * config.input_embedding_scale
-    positions = cache.lengths[:, None] + jnp.arange(t)
-    cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta, x.dtype)
-    use_injection = inject and config.is_dspine
-    pre = x
-    for layer in range(config.num_layers):
-        x = _layer(drafter, layer, x, cache, cos, sin)
-        pre = x
-        if use_injection:
-            x = _inject(drafter, layer, x, tokens[:, 0])
-    return BlockForward(hidden=rms_norm(x, drafter.params.norm, config.rms_norm_eps), pre_injection=pre)
+    return attend
 
 
 def unary_logits(drafter: Drafter, target: Target, hidden: Array) -> Array:
@@ -393,10 +328,6 @@ def unary_logits(drafter: Drafter, target: Target, hidden: Array) -> Array:
         cap = config.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
     return logits
-
-
-# ----------------------------------------------------------------------------------------------
-# Decode head
 
 
 def choose(scores: Array, key: Array, temperature: Array) -> tuple[Array, Array]:
@@ -412,83 +343,163 @@ def choose(scores: Array, key: Array, temperature: Array) -> tuple[Array, Array]
     return index.astype(jnp.int32), q
 
 
-def walk(table: Array, cand_ids: Array, key: Array, temperature: Array) -> tuple[Array, Array]:
-    """Left-to-right walk over the transition table: ``lax.scan`` over slots, each step a row look-up
-    ``T[i, k_prev, :]`` and a choice — no matmul inside the loop.
+def top_candidates(logits: Array, count: int) -> tuple[Array, Array]:
+    """The ``count`` best of ``logits [B, P, V]`` → scores, ids ``[B, P, C]`` (best first)."""
+    scores, cand_ids = jax.lax.top_k(logits, count)
+    # The barrier stops XLA from folding top_k's index output into the gathers that follow, which
+    # turns top_k into a full sort of [B, P, V] on CPU (measured: 294 ms → 64 ms per draft).
+    return scores, jax.lax.optimization_barrier(cand_ids.astype(jnp.int32))
 
-    table ``[B, P, C, C]``, cand_ids ``[B, P, C]`` → tokens ``[B, P]``, q ``[B, P, C]``. Slot i uses
-    ``jax.random.split(key, P)[i]``.
+
+# ----------------------------------------------------------------------------------------------
+# Drafter kinds
+
+
+@register_drafter_kind
+class DFlash:
+    """The DFlash kind (z-lab): the backbone, then each slot decoded independently from its own logits.
+
+    Kinds are stateless classes registered by name (``config.kind``); ``drafter.kind`` is the instance.
+    A subclass overrides the hooks below — ``after_layer`` (what runs after each backbone layer),
+    ``candidates`` / ``select`` / ``decode`` (the decode head), and the checkpoint hooks
+    (``configure``, ``write_config``, ``load_params``, ``params_tensors``, ``init_config``, ``init_params``)
+    — and registers itself; nothing else in the package names a kind.
     """
-    b, p, _ = cand_ids.shape
 
-    def step(prev: Array, xs: tuple[Array, Array, Array]) -> tuple[Array, tuple[Array, Array]]:
-        table_i, cand_i, key_i = xs  # [B, C, C], [B, C], key
-        row = jnp.take_along_axis(table_i, prev[:, None, None], axis=1)[:, 0]  # [B, C]
-        index, q = choose(row, key_i, temperature)
-        token = jnp.take_along_axis(cand_i, index[:, None], axis=1)[:, 0]
-        return index, (token, q)
+    name = "dflash"
+    architecture = "DFlashDraftModel"  # config.json ``architectures`` entry of this kind's checkpoints
+    config_section: str | None = None  # a config.json key whose presence marks this kind's checkpoints
+    injects = False  # whether ``after_layer`` changes the stream (``inject=False`` runs the backbone alone)
 
-    xs = (jnp.moveaxis(table, 1, 0), jnp.moveaxis(cand_ids, 1, 0), jax.random.split(key, p))
-    # Slot 1's rows are all conditioned on the anchor, so any start index reads the same row.
-    _, (tokens, q) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), xs)
-    return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(q, 0, 1)
+    # --- config.json (the fields beyond the Qwen3 backbone and dflash_config) ---
+
+    def configure(self, cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        """Kind-specific ``DrafterConfig`` fields from ``cfg`` on top of the parsed backbone ``fields``.
+        DFlash decodes over the whole vocabulary (C = V)."""
+        return {**fields, "top_k": fields["vocab_size"]}
+
+    def write_config(self, config: DrafterConfig, cfg: dict[str, Any]) -> None:
+        """Write the kind's keys into the ``config.json`` dict ``cfg``. DFlash: ``is_causal`` only when the
+        per-layer default (sliding ⇒ causal) would not reproduce the configured causality."""
+        default = tuple(w > 0 for w in config.layer_windows)
+        if config.layer_causal == default:
+            cfg.pop("is_causal", None)
+            return
+        if len(set(config.layer_causal)) != 1:
+            raise ValueError("per-layer causality that is neither uniform nor the layer-type default cannot be saved")
+        cfg["is_causal"] = config.layer_causal[0]
+
+    def init_config(self, cfg: dict[str, Any], hidden: int, vocab: int, options: dict[str, Any]) -> None:
+        """Add a fresh drafter's kind keys to its ``config.json`` dict (``options``: ``init_drafter``'s
+        kind arguments ``transfer_rank``, ``message_size``, ``top_k``)."""
+
+    # --- weights ---
+
+    def load_params(self, tensors: dict, config: DrafterConfig, target: Target, cast: Callable, backbone: DrafterParams) -> DrafterParams:
+        """The kind's own tensors (popped from ``tensors``, torch layout) on top of the loaded backbone."""
+        return backbone
+
+    def params_tensors(self, params: DrafterParams, config: DrafterConfig, host: Callable) -> dict[str, Any]:
+        """The kind's own tensors, torch names and layout (``host(x, transpose)`` makes numpy)."""
+        return {}
+
+    def init_params(self, config: DrafterConfig, target: Target, keys: Any, dtype: jnp.dtype, backbone: DrafterParams) -> DrafterParams:
+        """Fresh kind weights on top of the initialised backbone (``keys``: an iterator of PRNG keys)."""
+        return backbone
+
+    # --- forward ---
+
+    def after_layer(self, drafter: Drafter, layer: int, h: Array, anchor: Array, replacement: Replacement | None) -> Array:
+        """What runs on ``h [B, A, T, H]`` after backbone layer ``layer`` (``anchor [B, A]``). DFlash: nothing."""
+        return h
+
+    def layer_feature(self, drafter: Drafter, layer: int, h: Array) -> Array | None:
+        """The per-layer feature training aligns (``[B, A, T, R]``), or None for kinds without one."""
+        return None
+
+    def forward_blocks(
+        self, drafter: Drafter, x: Array, cos: Array, sin: Array, attend: Attend, anchor: Array,
+        *, inject: bool = True, replacement: Replacement | None = None, collect_features: bool = False,
+    ) -> BlockForward:
+        """The drafter forward over ``A`` blocks per row, shared by inference (A = 1, context from the ring
+        cache) and training (many anchored blocks against the whole sequence).
+
+        ``x [B, A, T, H]`` embedded blocks, ``cos/sin [B, A·T, D]`` RoPE of their positions, ``anchor
+        [B, A]`` their first tokens. The layer loop is unrolled in Python (L is small): each layer's
+        window/causality is static, and XLA's cost analysis then counts every layer (it counts a loop
+        body once). Returns hidden ``[B, A, T, H]`` (final-normed), the last layer's pre-injection state
+        and, with ``collect_features``, every layer's post-injection feature ``[L, B, A, T, R]``.
+        """
+        b, a, t, h = x.shape
+        pre, features = x, []
+        for layer in range(drafter.config.num_layers):
+            x = backbone_layer(drafter, layer, x.reshape(b, a * t, h), cos, sin, attend).reshape(b, a, t, h)
+            pre = x
+            if inject:
+                x = self.after_layer(drafter, layer, x, anchor, replacement)
+            if collect_features:
+                features.append(self.layer_feature(drafter, layer, x))
+        stacked = jnp.stack(features) if features and features[0] is not None else None
+        return BlockForward(hidden=rms_norm(x, drafter.params.norm, drafter.config.rms_norm_eps), pre_injection=pre, features=stacked)
+
+    # --- decode head ---
+
+    def candidates(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array) -> Candidates:
+        """Unary logits of slots 1..P over the vocabulary (or their top ``config.top_k``)."""
+        logits = unary_logits(drafter, target, fwd.hidden[:, 1:])  # [B, P, V]
+        b, p, v = logits.shape
+        if drafter.config.top_k >= v:
+            return Candidates(cand_ids=jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (b, p, v)), scores=logits)
+        scores, cand_ids = top_candidates(logits, drafter.config.top_k)
+        return Candidates(cand_ids=cand_ids, scores=scores)
+
+    def select(self, cands: Candidates, slot_keys: Array, pick: Choose) -> tuple[Array, Array]:
+        """Slots are independent: ``pick`` each from its own scores with its own key (``slot_keys``: one
+        per slot, leading axis P) → tokens ``[B, P]``, q ``[B, P, C]``."""
+        index, q = jax.vmap(pick, in_axes=(1, 0), out_axes=(1, 1))(cands.scores, slot_keys)
+        return jnp.take_along_axis(cands.cand_ids, index[..., None], axis=-1)[..., 0], q
+
+    def decode(
+        self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, key: Array, temperature: Array,
+        top_p: Array | float = 1.0, top_k: int = 0,
+    ) -> DraftOutput:
+        """z-lab samples each slot from the target's sampling transform (temperature, then top-k, then
+        top-p), so q has the same support as p. Greedy stays the argmax: the filters keep the top logit."""
+        cands = self.candidates(drafter, target, fwd, anchor)
+        temperature = jnp.asarray(temperature, jnp.float32)
+        greedy = temperature <= 0
+        scores = process_logits(cands.scores, jnp.where(greedy, 1.0, temperature), top_p, top_k)
+        unit = jnp.where(greedy, 0.0, 1.0)  # the temperature is already applied
+        slot_keys = jax.random.split(key, scores.shape[1])
+        tokens, q = self.select(cands.replace(scores=scores), slot_keys, lambda s, k: choose(s, k, unit))
+        return DraftOutput(tokens=tokens, cand_ids=cands.cand_ids, q=q)
 
 
-def walk_sequential(
-    drafter: Drafter, target: Target, pre: Array, cand_ids: Array, anchor: Array, key: Array, temperature: Array
-) -> tuple[Array, Array]:
-    """Reference for ``walk``: at each slot, re-run the last write for the predecessor actually chosen
-    and score the candidates (P sequential refinements). Same keys and choice rule as ``walk``."""
-    _, p, _ = cand_ids.shape
-    keys = jax.random.split(key, p)
-    previous = anchor.astype(jnp.int32)
-    tokens, qs = [], []
-    for i in range(p):
-        refined = refine(drafter, pre[:, i], previous)  # [B, H]
-        scores = jnp.einsum(
-            "bh,bjh->bj", refined, _head_rows(target, cand_ids[:, i]), preferred_element_type=jnp.float32
-        )
-        index, q = choose(scores, keys[i], temperature)
-        previous = jnp.take_along_axis(cand_ids[:, i], index[:, None], axis=1)[:, 0]
-        tokens.append(previous)
-        qs.append(q)
-    return jnp.stack(tokens, axis=1), jnp.stack(qs, axis=1)
+# ----------------------------------------------------------------------------------------------
+# Drafting (what the speculative loop calls; dispatched to the drafter's kind)
+
+
+def forward(drafter: Drafter, target: Target, cache: DraftCache, tokens: Array, inject: bool = True) -> BlockForward:
+    """Run the block ``tokens [B, T]`` (normally ``block_tokens(anchor)``) at positions
+    ``cache.lengths + arange(T)`` against the cached context → hidden / pre-injection ``[B, T, H]``.
+    ``inject=False`` runs an injecting kind's backbone alone (used to cost the injection separately)."""
+    config = drafter.config
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
+    x = embed_block(drafter, target.params.embed, tokens)[:, None]  # [B, 1, T, H]: one block per row
+    cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta, x.dtype)
+    fwd = drafter.kind.forward_blocks(drafter, x, cos, sin, cache_attention(drafter, cache), tokens[:, :1], inject=inject)
+    return BlockForward(hidden=fwd.hidden[:, 0], pre_injection=fwd.pre_injection[:, 0])
 
 
 def decode(
     drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, key: Array, temperature: Array,
     top_p: Array | float = 1.0, top_k: int = 0,
 ) -> DraftOutput:
-    """Proposals for slots 1..P from one block forward (see the module doc for the two modes).
+    """Proposals for slots 1..P from one block forward (the kind's decode head; module doc).
 
     ``top_p`` (traced) and ``top_k`` (static) are the sampling filters of the target's distribution; the
     DFlash draft distribution uses the same ones (DSpine's walk ignores them)."""
-    config = drafter.config
-    logits = unary_logits(drafter, target, fwd.hidden[:, 1:])  # [B, P, V]
-    b, p, v = logits.shape
-    if config.is_dspine:
-        _, cand_ids = jax.lax.top_k(logits, config.top_k)  # [B, P, C], best first
-        # The barrier stops XLA from folding top_k's index output into the gathers below, which
-        # turns top_k into a full sort of [B, P, V] on CPU (measured: 294 ms → 64 ms per draft).
-        cand_ids = jax.lax.optimization_barrier(cand_ids.astype(jnp.int32))
-        table = transition_table(drafter, target, fwd.pre_injection[:, 1:], cand_ids, anchor)
-        tokens, q = walk(table, cand_ids, key, temperature)
-        return DraftOutput(tokens=tokens, cand_ids=cand_ids, q=q)
-    if config.top_k >= v:
-        scores, cand_ids = logits, jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (b, p, v))
-    else:
-        scores, cand_ids = jax.lax.top_k(logits, config.top_k)
-        cand_ids = cand_ids.astype(jnp.int32)
-    # z-lab samples each slot from the target's sampling transform (temperature, then top-k, then top-p),
-    # so q has the same support as p. Greedy stays the argmax: the filters always keep the top logit.
-    temperature = jnp.asarray(temperature, jnp.float32)
-    greedy = temperature <= 0
-    scores = process_logits(scores, jnp.where(greedy, 1.0, temperature), top_p, top_k)
-    unit = jnp.where(greedy, 0.0, 1.0)  # the temperature is already applied
-    # Slots are independent in DFlash; same per-slot key schedule as the walk.
-    index, q = jax.vmap(choose, in_axes=(1, 0, None), out_axes=(1, 1))(scores, jax.random.split(key, p), unit)
-    tokens = jnp.take_along_axis(cand_ids, index[..., None], axis=-1)[..., 0]
-    return DraftOutput(tokens=tokens, cand_ids=cand_ids, q=q)
+    return drafter.kind.decode(drafter, target, fwd, anchor, key, temperature, top_p, top_k)
 
 
 def draft(
@@ -509,53 +520,18 @@ def q_full(out: DraftOutput, vocab_size: int) -> Array:
     return full.at[rows, slots, out.cand_ids].add(out.q)
 
 
-# ----------------------------------------------------------------------------------------------
-# Transfer codes
+# TRANSITIONAL (removed once train/ calls the DSpine kind's public methods): the old private helpers.
+def _feature(h: Array, readout: Array, rank: int) -> Array:
+    return drafter_kind("dspine").feature(h, readout, rank)
 
 
-def transfer_codes_from_head(lm_head: Array, rank: int, chunk: int = 4096) -> tuple[Array, Array]:
-    """Fixed token codes from the target's LM head ``[H, V]`` → codes ``[V, R]``, directions ``[H, R]``.
+def _code(drafter: Drafter, token_ids: Array) -> Array:
+    return drafter_kind("dspine").code(drafter, token_ids)
 
-    Rows (tokens) are L2-normalised, centred, projected on the top-``rank`` principal directions of their
-    covariance, whitened by 1/√eigenvalue and L2-normalised again (SpecForge ``initialize_transfer_space``).
-    Directions come out in ascending eigenvalue order like ``torch.linalg.eigh`` (so readouts initialised
-    from them line up with SpecForge's). Eigenvector signs are arbitrary in any eigensolver; we fix each
-    direction's sign so its largest-magnitude component is positive, which makes the result reproducible
-    and independent of the head's row order. The covariance is accumulated in ``chunk``-row slices in
-    float32 (highest matmul precision) so a 250k × 5k head never needs a second full-size copy.
-    Load-time only (it checks the eigenvalues on the host), not for use under ``jit``.
-    """
-    h, v = lm_head.shape
-    if not 0 < rank <= min(h, v - 1):
-        raise ValueError(f"transfer rank {rank} must be in [1, min(hidden={h}, vocab-1={v - 1})]")
-    chunk = min(chunk, v)
-    pad = (-v) % chunk
-    rows = jnp.pad(lm_head.T, ((0, pad), (0, 0))).reshape(-1, chunk, h)  # zero rows add nothing below
 
-    def normalized(x: Array) -> Array:
-        x = x.astype(jnp.float32)
-        return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), _NORMALIZE_EPS)
+def _write(inj: Any, layer: int, h: Array, receiver_logit: Array, predecessor: Array) -> Array:
+    return drafter_kind("dspine").write(inj, layer, h, receiver_logit, predecessor)
 
-    def accumulate(carry: tuple[Array, Array], x: Array) -> tuple[tuple[Array, Array], None]:
-        total, cov = carry
-        xn = normalized(x)
-        return (total + xn.sum(0), cov + jnp.matmul(xn.T, xn, precision=jax.lax.Precision.HIGHEST)), None
 
-    zeros = (jnp.zeros((h,), jnp.float32), jnp.zeros((h, h), jnp.float32))
-    (total, cov), _ = jax.lax.scan(accumulate, zeros, rows)
-    mean = total / v
-    cov = cov - v * jnp.outer(mean, mean)
-    cov = 0.5 * (cov + cov.T)  # exact symmetry for eigh
-    values, directions = jnp.linalg.eigh(cov)
-    values, directions = values[-rank:], directions[:, -rank:]  # ascending, like torch
-    if not bool(jnp.all(jnp.isfinite(values)) & jnp.all(values > 0)):
-        raise ValueError("the target head has fewer positive principal directions than the transfer rank")
-    pivot = jnp.argmax(jnp.abs(directions), axis=0)
-    directions = directions * jnp.sign(directions[pivot, jnp.arange(rank)])[None, :]
-
-    def project(x: Array) -> Array:
-        z = jnp.matmul(normalized(x) - mean, directions, precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(values)
-        return z / jnp.maximum(jnp.linalg.norm(z, axis=-1, keepdims=True), _NORMALIZE_EPS)
-
-    codes = jax.lax.map(project, rows).reshape(-1, rank)[:v]
-    return codes, directions
+def refine(drafter: Drafter, pre: Array, predecessor_ids: Array) -> Array:
+    return drafter.kind.refine(drafter, pre, predecessor_ids)

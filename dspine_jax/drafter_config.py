@@ -25,7 +25,41 @@ import os
 from pathlib import Path
 from typing import Any
 
-DRAFTER_KINDS = ("dflash", "dspine")
+# Drafter kinds by name (``DrafterConfig.kind``): the classes in drafter.py (DFlash) and dspine.py (DSpine),
+# and any registered from outside. Kept here, below every module that runs drafters, so parsing a
+# config.json can ask the kind for its own fields.
+_KINDS: dict[str, Any] = {}
+
+
+def register_drafter_kind(kind_class: type) -> type:
+    """Class decorator: make ``kind_class`` (a ``drafter.DFlash`` subclass) the kind named ``kind_class.name``."""
+    _KINDS[kind_class.name] = kind_class()
+    return kind_class
+
+
+def unregister_drafter_kind(name: str) -> None:
+    _KINDS.pop(name, None)
+
+
+def drafter_kinds() -> tuple[str, ...]:
+    return tuple(_KINDS)
+
+
+def drafter_kind(name: str) -> Any:
+    """The registered kind instance called ``name``."""
+    if name not in _KINDS:
+        raise ValueError(f"drafter kind {name!r} is not registered; known kinds: {', '.join(_KINDS)}")
+    return _KINDS[name]
+
+
+def _kind_of(cfg: dict[str, Any]) -> Any:
+    """The kind a config.json describes: the last registered kind whose architecture it names or whose
+    config section it carries (subclasses register after their base), else DFlash."""
+    archs = cfg.get("architectures") or []
+    for kind in reversed(_KINDS.values()):
+        if kind.architecture in archs or (kind.config_section and cfg.get(kind.config_section) is not None):
+            return kind
+    return _KINDS["dflash"]
 
 # SpecForge's DSpineConfig defaults; the training-only fields are kept so a saved config round-trips.
 DSPINE_DEFAULTS: dict[str, Any] = {
@@ -51,7 +85,7 @@ class DrafterConfigError(ValueError):
 class DrafterConfig:
     """Everything static about a drafter. Hashable, so it can ride as a static jit argument."""
 
-    kind: str  # "dflash" | "dspine"
+    kind: str  # a registered drafter kind: "dflash", "dspine", …
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -80,7 +114,7 @@ class DrafterConfig:
     raw_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     @property
-    def is_dspine(self) -> bool:
+    def is_dspine(self) -> bool:  # TRANSITIONAL: train/ still asks; everything else asks the kind
         return self.kind == "dspine"
 
     @property
@@ -106,7 +140,7 @@ def with_dspine_settings(config: DrafterConfig, **updates: Any) -> DrafterConfig
     cannot change this way: they fix tensor shapes."""
     unknown = set(updates) - set(DSPINE_DEFAULTS)
     fixed = set(updates) & {"transfer_rank", "message_size", "top_k"}
-    if not config.is_dspine or unknown or fixed:
+    if config.kind != "dspine" or unknown or fixed:
         bad = sorted(unknown | fixed) or sorted(updates)
         raise DrafterConfigError(f"cannot set dspine_config {bad} on this drafter")
     raw = json.loads(config.raw_json)
@@ -135,7 +169,7 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def _int(cfg: dict[str, Any], key: str, where: str = "config.json") -> int:
+def config_int(cfg: dict[str, Any], key: str, where: str = "config.json") -> int:
     if key not in cfg or cfg[key] is None:
         raise DrafterConfigError(f"drafter {where} is missing {key!r}")
     value = cfg[key]
@@ -146,18 +180,16 @@ def _int(cfg: dict[str, Any], key: str, where: str = "config.json") -> int:
 
 def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
     """Parse a z-lab DFlash or SpecForge DSpine ``config.json`` dict."""
-    archs = cfg.get("architectures") or []
     dflash_cfg = cfg.get("dflash_config") or {}
-    dspine_raw = cfg.get("dspine_config")
-    kind = "dspine" if (dspine_raw is not None or "DSpineDraftModel" in archs) else "dflash"
+    kind = _kind_of(cfg)
 
-    hidden = _int(cfg, "hidden_size")
-    heads = _int(cfg, "num_attention_heads")
+    hidden = config_int(cfg, "hidden_size")
+    heads = config_int(cfg, "num_attention_heads")
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise DrafterConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    num_layers = _int(cfg, "num_hidden_layers")
+    num_layers = config_int(cfg, "num_hidden_layers")
     if cfg.get("attention_bias"):
         raise DrafterConfigError("drafters with attention_bias=true are not supported (DFlash/DSpine have no biases)")
     act = cfg.get("hidden_act", "silu")
@@ -205,30 +237,13 @@ def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
             raise DrafterConfigError(f"drafter layer type {kind_i!r} is not supported")
         causal.append(bool(is_causal) if is_causal is not None else kind_i == "sliding_attention")
 
-    vocab = _int(cfg, "vocab_size")
-    transfer_rank = message_size = 0
-    top_k = vocab
-    if kind == "dspine":
-        causal = [True] * num_layers
-        settings = {**DSPINE_DEFAULTS, **(dspine_raw or {})}
-        transfer_rank = _int(settings, "transfer_rank", "dspine_config")
-        message_size = _int(settings, "message_size", "dspine_config")
-        top_k = _int(settings, "top_k", "dspine_config")
-        if not 0 < transfer_rank <= min(hidden, vocab - 1):
-            raise DrafterConfigError(
-                f"dspine_config.transfer_rank={transfer_rank} must be in [1, min(hidden_size, vocab_size-1)]"
-            )
-        if message_size < 1 or not 1 <= top_k <= vocab:
-            raise DrafterConfigError(
-                f"dspine_config needs message_size >= 1 and top_k in [1, vocab_size] (got {message_size}, {top_k})"
-            )
-
+    vocab = config_int(cfg, "vocab_size")
     softcap = dflash_cfg.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
-    return DrafterConfig(
-        kind=kind,
+    fields = dict(
+        kind=kind.name,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size"),
+        intermediate_size=config_int(cfg, "intermediate_size"),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -241,14 +256,12 @@ def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
         num_target_layers=num_target_layers,
         layer_windows=tuple(windows),
         layer_causal=tuple(causal),
-        top_k=top_k,
-        transfer_rank=transfer_rank,
-        message_size=message_size,
         input_embedding_scale=float(dflash_cfg.get("input_embedding_scale", cfg.get("input_embedding_scale", 1.0))),
         output_multiplier=float(dflash_cfg.get("output_multiplier", cfg.get("output_multiplier", 1.0))),
         final_logit_softcapping=float(softcap or 0.0),
         raw_json=json.dumps(cfg, sort_keys=True),
     )
+    return DrafterConfig(**kind.configure(cfg, fields))
 
 
 def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:
@@ -256,7 +269,7 @@ def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:
     cfg: dict[str, Any] = json.loads(config.raw_json)
     any_window = max(config.layer_windows, default=0)
     cfg.update(
-        architectures=["DSpineDraftModel" if config.is_dspine else "DFlashDraftModel"],
+        architectures=[drafter_kind(config.kind).architecture],
         model_type=cfg.get("model_type", "qwen3"),
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -279,20 +292,10 @@ def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:
     dflash_cfg = dict(cfg.get("dflash_config") or {})
     dflash_cfg.update(mask_token_id=config.mask_token_id, target_layer_ids=list(config.target_layer_ids))
     cfg["dflash_config"] = dflash_cfg
-    if config.is_dspine:
-        cfg["is_causal"] = True
-        cfg["dspine_config"] = config.dspine_settings
-    else:
-        # Only write is_causal when the per-layer default (sliding ⇒ causal) would not reproduce it.
-        default = tuple(w > 0 for w in config.layer_windows)
-        if config.layer_causal != default:
-            if len(set(config.layer_causal)) != 1:
-                raise DrafterConfigError(
-                    "per-layer causality that is neither uniform nor the layer-type default cannot be saved"
-                )
-            cfg["is_causal"] = config.layer_causal[0]
-        else:
-            cfg.pop("is_causal", None)
+    try:
+        drafter_kind(config.kind).write_config(config, cfg)
+    except ValueError as e:
+        raise DrafterConfigError(str(e)) from e
     return cfg
 
 

@@ -1,13 +1,17 @@
-"""Drafter checkpoints: load / save the z-lab DFlash and SpecForge DSpine layouts, and fresh init.
+"""Drafter checkpoints: load / save the z-lab DFlash and SpecForge DSpine layouts, fresh init, and the
+command lines' ``--draft`` value (a checkpoint directory or ``init:KIND[:BLOCK]``).
 
-A checkpoint directory is ``config.json`` + ``model.safetensors`` (or a sharded index) with torch
+The backbone tensors are read and written here; each kind adds its own through its hooks
+(``load_params`` / ``params_tensors`` / ``init_params`` on ``drafter.DFlash`` and subclasses), so a new
+kind needs no change in this file. A checkpoint directory is ``config.json`` + ``model.safetensors`` (or a sharded index) with torch
 ``[out, in]`` Linear weights, names without a prefix (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
 ``injection.readouts.0.weight``, buffer ``transfer_codes``, SpecForge's ``transfer_ready`` flag …).
 Every tensor must be consumed exactly once; anything missing, extra or mis-shaped is a
 ``CheckpointError`` naming the tensor.
 
-DSpine ``transfer_codes``: used as stored when present and ``transfer_ready`` is not false; otherwise
-recomputed from the target's LM head (deterministic, see ``transfer_codes_from_head``). Recomputed codes
+DSpine ``transfer_codes`` (``dspine.DSpine.load_params``): used as stored when present and
+``transfer_ready`` is not false; otherwise recomputed from the target's LM head (deterministic, see
+``dspine.transfer_codes_from_head``). Recomputed codes
 fix eigenvector signs by our own convention; a *trained* checkpoint saved without its codes may have
 been trained against other signs, so ship the codes with trained weights (``save_drafter`` always does).
 """
@@ -24,20 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from dspine_jax.drafter import Drafter, DrafterLayer, DrafterParams, Injection, transfer_codes_from_head
+from dspine_jax import dspine  # noqa: F401  (importing it registers the DSpine kind)
+from dspine_jax.drafter import Drafter, DrafterLayer, DrafterParams
 from dspine_jax.drafter_config import (
-    DSPINE_DEFAULTS,
     DrafterConfig,
     DrafterConfigError,
     build_target_layer_ids,
     drafter_config_from_dict,
     drafter_config_to_dict,
+    drafter_kind,
+    drafter_kinds,
     load_drafter_config,
 )
-from dspine_jax.target import Target
+from dspine_jax.target import Target, resolve_dtype
 from dspine_jax.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
 
 # (our DrafterLayer field, torch suffix under layers.{i}., transpose to [in, out]?)
 _LAYER_SPEC: tuple[tuple[str, str, bool], ...] = (
@@ -123,43 +127,12 @@ def params_from_tensors(
             w = take(tensors, f"layers.{i}.{suffix}", shapes[field])
             weights[field] = cast(w.T if transpose else w)
         layers.append(DrafterLayer(**weights))
-    injection = codes = None
-    if config.is_dspine:
-        r, m = config.transfer_rank, config.message_size
-        injection = Injection(
-            readouts=tuple(
-                cast(take(tensors, f"injection.readouts.{i}.weight", (r, h)).T) for i in range(config.num_layers)
-            ),
-            writes=tuple(
-                cast(take(tensors, f"injection.writes.{i}.weight", (h, m)).T) for i in range(config.num_layers)
-            ),
-            message=cast(take(tensors, "injection.message.weight", (m, r)).T),
-            receiver_gate=cast(take(tensors, "injection.receiver_gate.weight", (m, r)).T),
-            predecessor_gate=cast(take(tensors, "injection.predecessor_gate.weight", (m, r)).T),
-            bias=cast(take(tensors, "injection.bias", (m,))),
-        )
-        ready = True
-        if "transfer_ready" in tensors:
-            # torch saves the flag as a 0-d bool; accept a 1-element vector too (np.ascontiguousarray
-            # turns 0-d arrays into 1-d ones, so some writers produce that).
-            flag = tensors.pop("transfer_ready")
-            if flag.size != 1:
-                raise CheckpointError(f"tensor 'transfer_ready' has shape {tuple(flag.shape)}, expected ()")
-            ready = bool(flag.reshape(()))
-        if "transfer_codes" in tensors:
-            stored = take(tensors, "transfer_codes", (config.vocab_size, r))
-            codes = cast(stored) if ready else None
-        if codes is None:  # absent, or SpecForge's never-initialised zeros
-            codes = transfer_codes_from_head(target.params.lm_head, r)[0].astype(dtype)
+    params = drafter_kind(config.kind).load_params(
+        tensors, config, target, cast,
+        DrafterParams(fc=cast(fc), hidden_norm=cast(hidden_norm), layers=tuple(layers), norm=cast(norm)),
+    )  # fmt: skip
     check_consumed(tensors, f"{config.kind} drafter")
-    return DrafterParams(
-        fc=cast(fc),
-        hidden_norm=cast(hidden_norm),
-        layers=tuple(layers),
-        norm=cast(norm),
-        injection=injection,
-        transfer_codes=codes,
-    )
+    return params
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | jnp.dtype | None = None) -> Drafter:
@@ -189,17 +162,7 @@ def drafter_to_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
     for i, layer in enumerate(p.layers):
         for field, suffix, transpose in _LAYER_SPEC:
             out[f"layers.{i}.{suffix}"] = host(getattr(layer, field), transpose)
-    if c.is_dspine:
-        inj = p.injection
-        for i in range(c.num_layers):
-            out[f"injection.readouts.{i}.weight"] = host(inj.readouts[i], True)
-            out[f"injection.writes.{i}.weight"] = host(inj.writes[i], True)
-        out["injection.message.weight"] = host(inj.message, True)
-        out["injection.receiver_gate.weight"] = host(inj.receiver_gate, True)
-        out["injection.predecessor_gate.weight"] = host(inj.predecessor_gate, True)
-        out["injection.bias"] = host(inj.bias)
-        out["transfer_codes"] = host(p.transfer_codes)
-        out["transfer_ready"] = np.array(True)
+    out.update(drafter_kind(c.kind).params_tensors(p, c, host))
     return out
 
 
@@ -217,13 +180,8 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike) -> None:
 
 
 def _resolve_dtype(dtype: str | jnp.dtype | None, target: Target) -> jnp.dtype:
-    if dtype is None:
-        return target.dtype
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(set(_DTYPES))}")
-        return _DTYPES[dtype]
-    return dtype
+    """``None``: the target's dtype (the drafter shares its embedding and head); else as ``load_target``."""
+    return target.dtype if dtype is None else resolve_dtype(dtype)
 
 
 def default_mask_token_id(target: Target, tokenizer: Any = None) -> int:
@@ -297,15 +255,16 @@ def init_drafter(
     bidirectional unless ``is_causal``. ``top_k`` is DSpine's candidate count C; a DFlash drafter always
     decodes over the whole vocabulary (C = V).
     """
-    if kind not in ("dspine", "dflash"):
-        raise ValueError(f"kind must be 'dspine' or 'dflash', got {kind!r}")
+    if kind not in drafter_kinds():
+        raise ValueError(f"kind must be one of {', '.join(repr(k) for k in drafter_kinds())}, got {kind!r}")
+    kind_impl = drafter_kind(kind)
     tc = target.config
     h, v = tc.hidden_size, tc.vocab_size
     ids = tuple(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(tc.num_layers, num_layers)
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(target, tokenizer)
     cfg: dict[str, Any] = {
-        "architectures": ["DSpineDraftModel" if kind == "dspine" else "DFlashDraftModel"],
+        "architectures": [kind_impl.architecture],
         "model_type": "qwen3",
         "vocab_size": v,
         "hidden_size": h,
@@ -330,15 +289,7 @@ def init_drafter(
     }
     if is_causal is not None:
         cfg["is_causal"] = bool(is_causal)
-    if kind == "dspine":
-        rank = transfer_rank or min(1024, h, v - 1)
-        cfg["is_causal"] = True
-        cfg["dspine_config"] = {
-            **DSPINE_DEFAULTS,
-            "transfer_rank": rank,
-            "message_size": message_size or max(1, min(512, rank // 2)),
-            "top_k": top_k,
-        }
+    kind_impl.init_config(cfg, h, v, {"transfer_rank": transfer_rank, "message_size": message_size, "top_k": top_k})
     try:
         config = drafter_config_from_dict(cfg)
     except DrafterConfigError as e:
@@ -373,28 +324,8 @@ def init_drafter(
         for _ in range(L)
     )
     fc = normal((c.num_taps * h, h))
-    injection = codes = None
-    if c.is_dspine:
-        r, m = c.transfer_rank, c.message_size
-        codes, directions = transfer_codes_from_head(target.params.lm_head, r)
-
-        def torch_default(shape: tuple[int, ...]) -> jax.Array:  # kaiming_uniform(a=√5) = U(±1/√fan_in)
-            bound = 1.0 / np.sqrt(shape[0])
-            return jax.random.uniform(next(keys), shape, jnp.float32, -bound, bound).astype(dtype)
-
-        injection = Injection(
-            readouts=tuple(directions.astype(dtype) for _ in range(L)),
-            writes=tuple(jnp.zeros((m, h), dtype) for _ in range(L)),
-            message=torch_default((r, m)),
-            receiver_gate=torch_default((r, m)),
-            predecessor_gate=jnp.zeros((r, m), dtype),
-            bias=jnp.zeros((m,), dtype),
-        )
-        codes = codes.astype(dtype)
-    params = DrafterParams(
-        fc=fc, hidden_norm=ones((h,)), layers=layers, norm=ones((h,)), injection=injection, transfer_codes=codes
-    )
-    return Drafter(params=params, config=config)
+    backbone = DrafterParams(fc=fc, hidden_norm=ones((h,)), layers=layers, norm=ones((h,)))
+    return Drafter(params=kind_impl.init_params(config, target, keys, dtype, backbone), config=config)
 
 
 def copy_target_layers(drafter: Drafter, target: Target, layer_ids: tuple[int, ...] | list[int] | None = None) -> Drafter:
@@ -440,3 +371,41 @@ def copy_target_layers(drafter: Drafter, target: Target, layer_ids: tuple[int, .
 
     new_layers = tuple(copied(mine, layers[i]) for mine, i in zip(drafter.params.layers, ids, strict=True))
     return drafter.replace(params=drafter.params.replace(layers=new_layers))
+
+
+# ----------------------------------------------------------------------------------------------
+# The command lines' --draft value
+
+
+def _parse_init_draft(text: str) -> tuple[str, int] | None:
+    """``init:KIND[:BLOCK]`` → (kind, block size); ``None`` for anything else (a checkpoint path)."""
+    if not text.startswith("init:"):
+        return None
+    parts = text.split(":")
+    block = parts[2] if len(parts) == 3 else "16"
+    if len(parts) not in (2, 3) or parts[1] not in drafter_kinds() or not block.isdigit() or int(block) < 2:
+        raise ValueError(f"{text!r}: expected init:dspine, init:dflash or init:KIND:BLOCK (BLOCK >= 2)")
+    return parts[1], int(block)
+
+
+def draft_block_size(spec: str | os.PathLike) -> int:
+    """The block size a ``--draft`` value stands for, checked without loading any weights (the CLI
+    validates its arguments with it before the slow model load)."""
+    text = os.fspath(spec)
+    init = _parse_init_draft(text)
+    if init is not None:
+        return init[1]
+    if not os.path.isdir(text):
+        raise FileNotFoundError(f"{text!r} is not a directory (a drafter checkpoint), nor init:dspine / init:dflash")
+    return load_drafter_config(text).block_size
+
+
+def load_draft(spec: str | os.PathLike, target: tgt.Target, dtype: str | None = None) -> Drafter:
+    """A ``--draft`` CLI value → Drafter: a checkpoint directory (``load_drafter``), or ``init:dspine`` /
+    ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
+    seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists."""
+    text = os.fspath(spec)
+    init = _parse_init_draft(text)
+    if init is not None:
+        return init_drafter(target, init[0], block_size=init[1], dtype=dtype)
+    return load_drafter(text, target, dtype=dtype)

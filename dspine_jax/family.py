@@ -4,7 +4,8 @@ A family is everything the rest of the package needs to run one kind of target:
 
     parse_config(config_json_dict)                  → a frozen config (a ``TargetConfig`` or a subclass)
     params_from_hf(tensors, config, dtype)          → the params pytree (HF names, torch layout in)
-    init_cache(config, batch, capacity, dtype)      → an empty cache pytree with ``lengths [B]``
+    init_cache(config, batch, capacity, dtype)      → an empty cache pytree: ``lengths [B]`` (committed
+                                                      tokens per row), ``capacity`` and ``commit(n)``
     forward(params, config, cache, tokens, taps)    → ``TargetForward`` (one return shape for all families)
     replay(cache, record, num_tokens)               → the cache keeping only a prefix of the block
 

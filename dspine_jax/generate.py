@@ -8,166 +8,32 @@ ahead of its call (``CompileTimer``), so results report compilation apart from p
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import functools
+import json
 import logging
-import threading
-import time
+import os
+import sys
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from dspine_jax import drafter_io, hub, speculative
+from dspine_jax import tokenizer as tokenizer_io
 from dspine_jax import target as tgt
+from dspine_jax.planning import (  # noqa: F401  (GenerationResult, finish_reasons, plan_request: the AR API)
+    CompileTimer,
+    GenerationResult,
+    finish_reasons,
+    max_new_tokens_cap,
+    plan_request,
+)
 from dspine_jax.sampling import sample, validate_sampling
 
-PROMPT_BUCKET = 32
-CAPACITY_BUCKET = 128
-# A compile running longer than this says "compiling …". Loading a program from the persistent cache
-# (tracing + retrieval) takes ~1–4 s per program on a 2-core CPU, a real compile of the loop 10–60 s.
-COMPILE_NOTICE_SECONDS = 5.0
-
 _log = logging.getLogger("dspine_jax")
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    token_ids: list[list[int]]  # generated tokens per row (a hit stop token is included)
-    finish_reasons: list[str]  # per row: "stop", "length" (max_new_tokens) or "capacity"
-    prefill_seconds: float  # running the prefill program, compilation excluded
-    decode_seconds: float  # running the decode loop, compilation excluded
-    compile_seconds: float  # compiling both programs (≈0 when this process compiled these shapes before)
-
-    @property
-    def seconds(self) -> float:
-        """Prefill + decode, compilation excluded (``tokens_per_second`` is ``num_tokens / seconds``)."""
-        return self.prefill_seconds + self.decode_seconds
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(row) for row in self.token_ids)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Tokens after the first (which prefill produces) per second of the decode loop."""
-        decoded = self.num_tokens - len(self.token_ids)
-        return decoded / self.decode_seconds if self.decode_seconds > 0 else float("nan")
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def validate_prompts(prompt_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
-    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) or not prompt_ids:
-        raise ValueError("prompt_ids must be a non-empty list of token-id lists (one per batch row)")
-    rows = []
-    for i, row in enumerate(prompt_ids):
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or not row:
-            raise ValueError(f"prompt_ids[{i}] must be a non-empty list of token ids")
-        row = [int(t) for t in row]
-        bad = [t for t in row if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
-        rows.append(row)
-    return rows
-
-
-def max_new_tokens_cap(prompt_lengths: Sequence[int], max_positions: int) -> int:
-    """The most tokens any row can produce: the shortest prompt's free positions + 1 (the last token is
-    returned, never fed back). Rows with longer prompts may stop earlier, with finish reason "capacity"."""
-    return max_positions - min(prompt_lengths) + 1
-
-
-def plan_capacity(prompt_lengths: list[int], max_new_tokens: int, max_positions: int) -> int:
-    """Cache slots for ``prompt + max_new_tokens``, bucketed, never above the model's positions.
-
-    A ``max_new_tokens`` no row could reach is rejected: it would only buy a long run and a big buffer."""
-    longest = max(prompt_lengths)
-    if longest >= max_positions:
-        raise ValueError(
-            f"prompt of {longest} tokens does not fit: the model's capacity is {max_positions} positions "
-            "(at least one must remain for generation)"
-        )
-    cap = max_new_tokens_cap(prompt_lengths, max_positions)
-    if max_new_tokens > cap:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} is more than the context can hold: {max_positions} positions "
-            f"minus a {min(prompt_lengths)}-token prompt leave room for at most {cap} new tokens"
-        )
-    return min(_round_up(longest + max_new_tokens, CAPACITY_BUCKET), max_positions)
-
-
-def pad_prompts(rows: list[list[int]], pad_id: int, max_width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad to a bucketed length, at most ``max_width`` (the cache: a bucket may overshoot a position
-    limit that is not a multiple of it) → tokens ``[B, P]`` int32, lengths ``[B]`` int32."""
-    width = min(_round_up(max(len(r) for r in rows), PROMPT_BUCKET), max_width)
-    tokens = np.full((len(rows), width), pad_id, np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = r
-    return tokens, np.asarray([len(r) for r in rows], np.int32)
-
-
-def plan_request(
-    target: tgt.Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, temperature: float,
-    top_p: float, top_k: int, stop_ids: Sequence[int] | None,
-) -> tuple[list[list[int]], int, np.ndarray, np.ndarray, list[int]]:
-    """Validate a request and lay it out: rows, cache capacity, padded tokens ``[B, P]``, lengths ``[B]``
-    and stop ids (``None`` → the model's EOS ids). Shared by plain and speculative decoding."""
-    validate_sampling(temperature, top_p, top_k)
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    config = target.config
-    rows = validate_prompts(prompt_ids, config.vocab_size)
-    capacity = plan_capacity([len(r) for r in rows], max_new_tokens, config.max_position_embeddings)
-    tokens, lengths = pad_prompts(rows, config.pad_token_id or 0, capacity)
-    stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
-    return rows, capacity, tokens, lengths, stops
-
-
-class CompileTimer:
-    """Runs jitted programs timed apart from their compilation: ``run`` compiles ahead of the call
-    (adding that time to ``seconds``), then times the call, which reuses the executable.
-
-    Shapes this process compiled before cost ~0 to compile; a load from the persistent compilation
-    cache (the CLI's) a moment. A compile that outlasts ``COMPILE_NOTICE_SECONDS`` logs "compiling …"
-    once (logger ``dspine_jax``; the CLI prints it), so a first run says why it is slow.
-    """
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._noticed = threading.Event()
-
-    def _notice(self) -> None:
-        if not self._noticed.is_set():
-            self._noticed.set()
-            _log.info("compiling … (first run of these shapes; later runs reuse the compiled programs)")
-
-    def compile(self, fn, *args, **kwargs) -> None:
-        timer = threading.Timer(COMPILE_NOTICE_SECONDS, self._notice)
-        timer.start()
-        start = time.perf_counter()
-        try:
-            fn.lower(*args, **kwargs).compile()
-        finally:
-            timer.cancel()
-            self.seconds += time.perf_counter() - start
-
-    def run(self, fn, *args, **kwargs) -> tuple[Any, float]:
-        """``fn(*args, **kwargs)`` (compiled first, before any donated argument is consumed) and the
-        seconds the call took until its outputs were ready."""
-        self.compile(fn, *args, **kwargs)
-        start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args, **kwargs))
-        return out, time.perf_counter() - start
-
 
 @functools.partial(jax.jit, static_argnames=("capacity", "top_k", "greedy"))
 def prefill(
@@ -258,15 +124,6 @@ def generate(
     )
 
 
-def finish_reasons(counts: np.ndarray, stopped: np.ndarray, max_new_tokens: int) -> list[str]:
-    """Why each row ended: a stop id (``stop``), the token budget (``length``), or the cache (``capacity``)."""
-    return ["stop" if hit else "length" if n >= max_new_tokens else "capacity" for n, hit in zip(counts, stopped)]
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI: python -m dspine_jax.generate --model M --prompt TEXT [...]
-
-
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids for ``text``; with ``chat`` it becomes one user turn in the model's chat template."""
     if chat:
@@ -279,9 +136,7 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 def enable_compilation_cache() -> None:
     """Persist compiled programs across CLI runs (the first run of a shape compiles; later runs reuse)."""
-    from dspine_jax.hub import default_cache_dir
-
-    jax.config.update("jax_compilation_cache_dir", str(default_cache_dir() / "jax_compilation_cache"))
+    jax.config.update("jax_compilation_cache_dir", str(hub.default_cache_dir() / "jax_compilation_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
@@ -298,33 +153,23 @@ def check_args(parser, args) -> None:
             if value is not None:
                 parser.error(f"{flag} sets up speculative decoding: it needs --draft")
         return
-    from dspine_jax.speculative import check_block_size, draft_block_size, load_sps_table
-
     try:
-        limit = draft_block_size(args.draft)  # reads a checkpoint's config.json, not its weights
+        limit = drafter_io.draft_block_size(args.draft)  # reads a checkpoint's config.json, not its weights
     except (ValueError, OSError) as e:
         parser.error(f"--draft: {e}")
     try:
         if args.block_size is not None:
-            check_block_size(args.block_size, limit)
+            speculative.check_block_size(args.block_size, limit)
     except ValueError as e:
         parser.error(f"--block-size: {e}")
     try:
         if args.sps_table is not None:
-            load_sps_table(args.sps_table)
+            speculative.load_sps_table(args.sps_table)
     except (ValueError, OSError) as e:
         parser.error(f"--sps-table: {e}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import argparse
-    import json
-    import os
-    import sys
-
-    from dspine_jax.target import load_target
-    from dspine_jax.tokenizer import load_tokenizer
-
     parser = argparse.ArgumentParser(prog="python -m dspine_jax.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="HF-format model directory or alias (e.g. smollm2-135m-instruct)")
     parser.add_argument("--prompt", required=True)
@@ -351,9 +196,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         _log.setLevel(logging.INFO)
 
     try:
-        target = load_target(args.model, dtype=args.dtype)
-        tokenizer = load_tokenizer(args.model)
-        prompt = encode_prompt(tokenizer, args.prompt, args.chat)
+        target = tgt.load_target(args.model, dtype=args.dtype)
+        tok = tokenizer_io.load_tokenizer(args.model)
+        prompt = encode_prompt(tok, args.prompt, args.chat)
         max_new_tokens = args.max_new_tokens
         cap = max_new_tokens_cap([len(prompt)], target.config.max_position_embeddings)
         if 1 <= cap < max_new_tokens:  # (cap < 1: the prompt itself does not fit; generate says so)
@@ -363,10 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_new_tokens = cap
         sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         if args.draft:
-            from dspine_jax.speculative import load_draft, speculative_generate
-
-            drafter = load_draft(args.draft, target)
-            result = speculative_generate(target, drafter, [prompt], max_new_tokens, **sampling,
+            drafter = drafter_io.load_draft(args.draft, target)
+            result = speculative.speculative_generate(target, drafter, [prompt], max_new_tokens, **sampling,
                                           block_size=args.block_size, sps_table=args.sps_table)
         else:
             result = generate(target, [prompt], max_new_tokens, **sampling)
@@ -375,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ImportError as e:  # e.g. transformers' chat templates need jinja2: say which package, no traceback
         parser.exit(1, f"error: a package this command needs is missing: {e}\n")
     tokens = result.token_ids[0]
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    text = tok.decode(tokens, skip_special_tokens=True)
     if args.json:
         record = {
             "text": text, "token_ids": tokens, "num_tokens": len(tokens), "seconds": round(result.seconds, 4),

@@ -34,6 +34,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+from tqdm.auto import tqdm
 
 __all__ = [
     "ALIASES",
@@ -429,8 +433,7 @@ def _expected_shape(hf_name: str, cfg: dict[str, Any]) -> tuple[int, ...]:
 
 def _convert_tensors(reader: Any, cfg: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
     """Dequantise every GGUF tensor to float32 under its HF name (Q/K un-permuted)."""
-    from gguf.quants import dequantize
-    from tqdm.auto import tqdm
+    from gguf.quants import dequantize  # gguf only for the one-time conversion (see convert_llama_gguf)
 
     out: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="dequantise", unit="tensor", file=sys.stderr, disable=not progress):
@@ -469,7 +472,6 @@ def _pre_tokenizer(pre: str | None) -> Any:
     from how the model was trained (transformers' GGUF loader, for one, used plain GPT-2 splitting
     for ``smollm`` and lost its digit isolation).
     """
-    from tokenizers import pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre == "smollm":
@@ -488,8 +490,6 @@ def _gguf_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     core install does not have. The result mirrors that reader's ``gpt2`` conversion: GPT-2 BPE over
     the byte alphabet, CONTROL tokens added as special tokens, USER_DEFINED ones as plain added tokens.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, processors
-    from tokenizers.models import BPE
 
     def req(key: str) -> Any:
         if key not in meta:
@@ -579,8 +579,7 @@ def convert_llama_gguf(
     tokenizer files.  ``out_dir`` must exist; it is not made atomic here (callers
     build into a temporary directory).
     """
-    import gguf
-    from safetensors.numpy import save_file
+    import gguf  # imported on first conversion only: it is slow to import and nothing else needs it
 
     gguf_path = pathlib.Path(gguf_path)
     out = pathlib.Path(out_dir)

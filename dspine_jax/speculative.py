@@ -48,7 +48,8 @@ from jax import Array
 
 from dspine_jax import target as tgt
 from dspine_jax.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache
-from dspine_jax.generate import CompileTimer, GenerationResult, _round_up, finish_reasons, plan_request
+from dspine_jax.drafter_io import check_compatible
+from dspine_jax.planning import CompileTimer, GenerationResult, finish_reasons, plan_request, round_up
 from dspine_jax.sampling import sample, sampling_probs
 
 TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
@@ -163,44 +164,6 @@ class OracleProposer:
 
     def commit(self, target: tgt.Target, state: Array, tapped: Array, num_new: Array) -> Array:
         return state + 1
-
-
-def _parse_init_draft(text: str) -> tuple[str, int] | None:
-    """``init:KIND[:BLOCK]`` → (kind, block size); ``None`` for anything else (a checkpoint path)."""
-    if not text.startswith("init:"):
-        return None
-    parts = text.split(":")
-    block = parts[2] if len(parts) == 3 else "16"
-    if len(parts) not in (2, 3) or parts[1] not in ("dspine", "dflash") or not block.isdigit() or int(block) < 2:
-        raise ValueError(f"{text!r}: expected init:dspine, init:dflash or init:KIND:BLOCK (BLOCK >= 2)")
-    return parts[1], int(block)
-
-
-def draft_block_size(spec: str | os.PathLike) -> int:
-    """The block size a ``--draft`` value stands for, checked without loading any weights (the CLI
-    validates its arguments with it before the slow model load)."""
-    from dspine_jax.drafter_config import load_drafter_config
-
-    text = os.fspath(spec)
-    init = _parse_init_draft(text)
-    if init is not None:
-        return init[1]
-    if not os.path.isdir(text):
-        raise FileNotFoundError(f"{text!r} is not a directory (a drafter checkpoint), nor init:dspine / init:dflash")
-    return load_drafter_config(text).block_size
-
-
-def load_draft(spec: str | os.PathLike, target: tgt.Target, dtype: str | None = None) -> Drafter:
-    """A ``--draft`` CLI value → Drafter: a checkpoint directory (``load_drafter``), or ``init:dspine`` /
-    ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
-    seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists."""
-    from dspine_jax.drafter_io import init_drafter, load_drafter
-
-    text = os.fspath(spec)
-    init = _parse_init_draft(text)
-    if init is not None:
-        return init_drafter(target, init[0], block_size=init[1], dtype=dtype)
-    return load_drafter(text, target, dtype=dtype)
 
 
 def as_proposer(drafter: Drafter | Proposer) -> Proposer:
@@ -496,11 +459,9 @@ def speculative_generate(
     )
     proposer = as_proposer(drafter)
     if isinstance(proposer, DrafterProposer):
-        from dspine_jax.drafter_io import check_compatible
-
         check_compatible(proposer.drafter.config, target)
     verify_len = resolve_verify_length(proposer, len(rows), block_size, sps_table)
-    stops += [-1] * (_round_up(max(len(stops), 1), STOP_BUCKET) - len(stops))
+    stops += [-1] * (round_up(max(len(stops), 1), STOP_BUCKET) - len(stops))
     greedy = temperature == 0
     key_prefill, key_loop = jax.random.split(jax.random.key(seed))
     temp, top_p_arr = jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p)
@@ -512,7 +473,7 @@ def speculative_generate(
     )
     loop_out, decode_seconds = clock.run(
         speculative_loop, target, proposer, cache, state, first, key_loop, temp, top_p_arr,
-        jnp.asarray(stops, jnp.int32), jnp.int32(max_new_tokens), out_width=_round_up(max_new_tokens, TOKEN_BUCKET),
+        jnp.asarray(stops, jnp.int32), jnp.int32(max_new_tokens), out_width=round_up(max_new_tokens, TOKEN_BUCKET),
         verify_len=verify_len, top_k=top_k, greedy=greedy,
     )
     out, counts, stopped, kept, accepted, rounds, iterations = jax.device_get(loop_out[:7])

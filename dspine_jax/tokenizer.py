@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 
+from dspine_jax import hub
+
 
 def load_tokenizer(path_or_alias: str | os.PathLike):
-    """A ``transformers`` tokenizer for a model directory or alias (chat template included)."""
+    """A ``transformers`` tokenizer for a model directory or alias (chat template included).
+
+    transformers is imported here, not at the top: it takes seconds and only tokenizing needs it."""
     from transformers import AutoTokenizer
 
-    from dspine_jax.hub import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(path_or_alias)), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(hub.resolve_model_dir(path_or_alias)), local_files_only=True)

@@ -34,9 +34,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from dspine_jax.drafter_io import load_draft
 from dspine_jax.generate import generate
-from dspine_jax.speculative import DrafterProposer, Proposer, as_proposer, load_draft, speculative_generate
+from dspine_jax.speculative import DrafterProposer, Proposer, as_proposer, speculative_generate
 from dspine_jax.target import Target, load_target
+from dspine_jax.tokenizer import load_tokenizer
 
 
 def read_prompts(path: str | os.PathLike, tokenizer_source: str | None = None, chat: bool = False) -> list[list[int]]:
@@ -64,8 +66,6 @@ def read_prompts(path: str | os.PathLike, tokenizer_source: str | None = None, c
         if tokenizer is None:
             if tokenizer_source is None:
                 raise ValueError(f"{path}: text prompts need the model's tokenizer")
-            from dspine_jax.tokenizer import load_tokenizer
-
             tokenizer = load_tokenizer(tokenizer_source)
         if chat:
             turn = [{"role": "user", "content": item}]

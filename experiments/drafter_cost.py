@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dspine_jax import drafter as D
+from dspine_jax import dspine
 from dspine_jax.family import target_config_from_dict
 from dspine_jax.drafter_config import drafter_config_from_dict
 from dspine_jax.dense import DenseParams
@@ -71,9 +72,9 @@ def abstract_drafter(cfg: dict, dtype) -> D.Drafter:
         for _ in range(L)
     )
     injection = codes = None
-    if c.is_dspine:
+    if c.kind == "dspine":
         r, m = c.transfer_rank, c.message_size
-        injection = D.Injection(
+        injection = dspine.Injection(
             readouts=tuple(sds((h, r), dtype) for _ in range(L)),
             writes=tuple(sds((m, h), dtype) for _ in range(L)),
             message=sds((r, m), dtype),
@@ -113,7 +114,7 @@ def measure(name: str, target_cfg: dict, drafter_cfg: dict, batch: int, context_
 
     def injection_only(drafter: D.Drafter, h: jax.Array, anchor: jax.Array) -> jax.Array:
         for layer in range(drafter.config.num_layers):
-            h = D._inject(drafter, layer, h, anchor)
+            h = dspine.SPINE.inject(drafter, layer, h, anchor)
         return h
 
     def backbone_only(drafter, target, cache, anchor):
@@ -121,22 +122,22 @@ def measure(name: str, target_cfg: dict, drafter_cfg: dict, batch: int, context_
 
     rows = [("full draft (one jitted call)", cost(D.draft, drafter, target, cache, anchor, key, temp))]
     rows.append(("backbone", cost(backbone_only, drafter, target, cache, anchor)))
-    if c.is_dspine:
+    if c.kind == "dspine":
         rows.append(("injection (all L layers)", cost(injection_only, drafter, block, anchor)))
     head = cost(D.decode, drafter, target, fwd, anchor, key, temp)
     rows.append(("decode head", head))
     total = (sum(r[1][0] for r in rows[1:]), sum(r[1][1] for r in rows[1:]))
     unary = cost(lambda d, tg, h: D.unary_logits(d, tg, h[:, 1:]), drafter, target, block)
     rows.append(("  ↳ unary logits (LM head on P slots, as DFlash)", unary))
-    rest = "  ↳ rest: top-K, LWR transition table, walk" if c.is_dspine else "  ↳ rest: softmax / argmax / sampling"
+    rest = "  ↳ rest: top-K, LWR transition table, walk" if c.kind == "dspine" else "  ↳ rest: softmax / argmax / sampling"
     rows.append((rest, (head[0] - unary[0], head[1] - unary[1])))
     rows.append(("sum of backbone + injection + decode head", total))
     # XLA's cost model charges a gather the whole operand; these two gathers touch a few rows only.
     embed_gather = cost(lambda tg, a: tg.params.embed[D.block_tokens(drafter, a)], target, anchor)[1]
-    if c.is_dspine:
+    if c.kind == "dspine":
         cand = sds((batch, t - 1, c.top_k), jnp.int32)
-        head_gather = cost(D._head_rows, target, cand)[1]
-    if c.is_dspine:
+        head_gather = cost(dspine.head_rows, target, cand)[1]
+    if c.kind == "dspine":
         shape = f"C={c.top_k}, R={c.transfer_rank}, M={c.message_size}"
     else:
         shape = "C=V (full-vocab decode)"
@@ -153,7 +154,7 @@ def measure(name: str, target_cfg: dict, drafter_cfg: dict, batch: int, context_
     for label, (flops, nbytes) in rows:
         out.append(f"| {label} | {flops / 1e9:.4f} | {nbytes / 1e6:.2f} | {100 * flops / full:.1f}% |")
     note = f"Gathers charged as whole tables: embedding lookup in the backbone {embed_gather / 1e6:.2f} MB"
-    if c.is_dspine:
+    if c.kind == "dspine":
         note += f", LM-head columns in the LWR table {head_gather / 1e6:.2f} MB"
     return [*out, "", note + ".", ""]
 

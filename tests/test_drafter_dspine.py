@@ -14,6 +14,7 @@ from conftest import require
 from drafter_helpers import append, forward, tapped_features, with_random_injection
 
 from dspine_jax import drafter as D
+from dspine_jax.dspine import SPINE, transfer_codes_from_head
 from dspine_jax.drafter_io import init_drafter
 
 BLOCK = 5
@@ -82,7 +83,7 @@ def test_cached_walk_equals_sequential_refinement(trained_dspine, temperature):
     key = jax.random.PRNGKey(42)
     out = jax.jit(D.draft)(drafter, target, cache, anchor, key, jnp.float32(temperature))
     fwd = forward(drafter, target, cache, D.block_tokens(drafter, anchor))
-    seq_tokens, seq_q = jax.jit(D.walk_sequential)(
+    seq_tokens, seq_q = jax.jit(SPINE.walk_sequential)(
         drafter, target, fwd.pre_injection[:, 1:], out.cand_ids, anchor, key, jnp.float32(temperature)
     )
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(seq_tokens))
@@ -103,7 +104,7 @@ def test_walk_depends_on_predecessor_and_sampling_is_seeded(trained_dspine):
     target, drafter, cache, anchor = trained_dspine
     fwd = forward(drafter, target, cache, D.block_tokens(drafter, anchor))
     cand = jax.lax.top_k(D.unary_logits(drafter, target, fwd.hidden[:, 1:]), 6)[1].astype(jnp.int32)
-    table = np.asarray(D.transition_table(drafter, target, fwd.pre_injection[:, 1:], cand, anchor))
+    table = np.asarray(SPINE.transition_table(drafter, target, fwd.pre_injection[:, 1:], cand, anchor))
     np.testing.assert_allclose(
         table[:, 0], np.broadcast_to(table[:, 0, :1], table[:, 0].shape), atol=1e-6
     )  # slot 1: all rows = anchor
@@ -121,13 +122,13 @@ def test_walk_depends_on_predecessor_and_sampling_is_seeded(trained_dspine):
 def test_transfer_codes_properties(qwen3_target):
     target, hf_target = qwen3_target
     head = target.params.lm_head  # [H, V]
-    codes, directions = D.transfer_codes_from_head(head, RANK, chunk=48)  # chunking with a padded tail
+    codes, directions = transfer_codes_from_head(head, RANK, chunk=48)  # chunking with a padded tail
     np.testing.assert_allclose(np.linalg.norm(np.asarray(codes), axis=-1), 1.0, atol=1e-5)
-    again, _ = D.transfer_codes_from_head(head, RANK, chunk=48)
+    again, _ = transfer_codes_from_head(head, RANK, chunk=48)
     np.testing.assert_array_equal(np.asarray(codes), np.asarray(again))
     # Consistent row permutation of the head → the same codes, permuted.
     perm = np.random.RandomState(0).permutation(head.shape[1])
-    permuted, dirs_p = D.transfer_codes_from_head(head[:, perm], RANK)
+    permuted, dirs_p = transfer_codes_from_head(head[:, perm], RANK)
     np.testing.assert_allclose(np.asarray(permuted), np.asarray(codes)[perm], atol=2e-4)
     np.testing.assert_allclose(np.asarray(dirs_p), np.asarray(directions), atol=2e-4)
     # Agrees with a float64 torch PCA up to each direction's sign.
@@ -140,7 +141,7 @@ def test_transfer_codes_properties(qwen3_target):
     # Flipping a direction flips that code column (whitening and normalisation are sign-blind).
     np.testing.assert_allclose(np.asarray(codes), ref_codes.numpy() * signs[None, :], atol=1e-4)
     with pytest.raises(ValueError, match="transfer rank"):
-        D.transfer_codes_from_head(head, head.shape[0] + 1)
+        transfer_codes_from_head(head, head.shape[0] + 1)
 
 
 def test_fresh_dspine_readouts_are_pca_directions(qwen3_target):
@@ -148,7 +149,7 @@ def test_fresh_dspine_readouts_are_pca_directions(qwen3_target):
     drafter = init_drafter(
         target, kind="dspine", num_layers=2, transfer_rank=RANK, message_size=MSG, target_layer_ids=TAPS
     )
-    codes, directions = D.transfer_codes_from_head(target.params.lm_head, RANK)
+    codes, directions = transfer_codes_from_head(target.params.lm_head, RANK)
     inj = drafter.params.injection
     for layer in range(2):
         np.testing.assert_array_equal(np.asarray(inj.readouts[layer]), np.asarray(directions))

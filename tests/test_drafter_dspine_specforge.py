@@ -14,6 +14,7 @@ from conftest import require
 from drafter_helpers import append, forward, tapped_features
 
 from dspine_jax import drafter as D
+from dspine_jax.dspine import SPINE
 from dspine_jax.drafter_io import load_drafter
 
 torch = require("torch")
@@ -115,6 +116,6 @@ def test_forward_table_and_walk_match_specforge_semantics(qwen3_target, tmp_path
     np.testing.assert_allclose(np.asarray(fwd.pre_injection), pre.numpy(), atol=1e-4, rtol=1e-4)
     out = jax.jit(D.draft)(drafter, target, cache, jnp.array([anchor]), jax.random.PRNGKey(0), jnp.float32(0.0))
     np.testing.assert_array_equal(np.asarray(out.cand_ids), cand.numpy())
-    table = D.transition_table(drafter, target, fwd.pre_injection[:, 1:], out.cand_ids, jnp.array([anchor]))
+    table = SPINE.transition_table(drafter, target, fwd.pre_injection[:, 1:], out.cand_ids, jnp.array([anchor]))
     np.testing.assert_allclose(np.asarray(table), ref_table.numpy(), atol=2e-4, rtol=1e-4)
     assert np.asarray(out.tokens)[0].tolist() == ref_tokens

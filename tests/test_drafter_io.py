@@ -13,6 +13,7 @@ from conftest import require
 from safetensors.numpy import load_file, save_file
 
 from dspine_jax import drafter as D
+from dspine_jax.dspine import transfer_codes_from_head
 from dspine_jax.drafter_config import DrafterConfigError, build_target_layer_ids, drafter_config_from_dict
 from dspine_jax.drafter_io import copy_target_layers, init_drafter, load_drafter, save_drafter
 from dspine_jax.target import load_target
@@ -171,7 +172,7 @@ def test_missing_files(target, dspine_dir, tmp_path):
 
 
 def test_missing_or_uninitialised_codes_are_recomputed(target, dspine_dir):
-    expected = np.asarray(D.transfer_codes_from_head(target.params.lm_head, 12)[0])
+    expected = np.asarray(transfer_codes_from_head(target.params.lm_head, 12)[0])
     _edit_tensors(dspine_dir, lambda t: (t.pop("transfer_codes"), t.pop("transfer_ready")))
     np.testing.assert_array_equal(np.asarray(load_drafter(dspine_dir, target).params.transfer_codes), expected)
     # SpecForge's state before initialize_transfer_space: zero codes, transfer_ready = False.

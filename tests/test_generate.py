@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dspine_jax import generate, init_drafter, load_target, speculative_generate
+from dspine_jax import generate, init_drafter, load_target, planning, speculative_generate
 from dspine_jax.generate import max_new_tokens_cap
 
 cli = importlib.import_module("dspine_jax.generate")  # the module (the package attribute is the function)
@@ -118,12 +118,12 @@ def test_compilation_is_timed_apart(tiny_models):
 def test_a_slow_compile_says_so(tiny_models, monkeypatch, caplog):
     target = load_target(tiny_models["qwen3"][0])
     caplog.set_level("INFO", logger="dspine_jax")
-    monkeypatch.setattr(cli, "COMPILE_NOTICE_SECONDS", 0.0)  # every compile counts as slow
+    monkeypatch.setattr(planning, "COMPILE_NOTICE_SECONDS", 0.0)  # every compile counts as slow
     generate(target, [[9, 8, 7, 6]], max_new_tokens=13, stop_ids=[])
     assert [r.getMessage() for r in caplog.records].count(
         "compiling … (first run of these shapes; later runs reuse the compiled programs)") == 1  # once per call
     caplog.clear()
-    monkeypatch.setattr(cli, "COMPILE_NOTICE_SECONDS", 60.0)
+    monkeypatch.setattr(planning, "COMPILE_NOTICE_SECONDS", 60.0)
     generate(target, [[9, 8, 7, 6]], max_new_tokens=13, stop_ids=[])
     assert not caplog.records
 

@@ -21,6 +21,7 @@ from drafter_helpers import with_random_injection
 from jax.experimental import pallas as pl
 
 from dspine_jax import drafter as D
+from dspine_jax.dspine import SPINE
 from dspine_jax.layers import MASK_VALUE
 from kernels.pallas import dispatch
 from kernels.pallas import draft_attention as DA
@@ -368,7 +369,7 @@ def test_transition_table_matches_an_independent_float64_lwr(drafters, mode):
     pre = fwd.pre_injection[:, 1:]
     cand = jax.lax.top_k(D.unary_logits(drafter, target, fwd.hidden[:, 1:]), drafter.config.top_k)[1].astype(jnp.int32)
     with dispatch.force(mode):
-        table = jax.jit(D.transition_table)(drafter, target, pre, cand, anchor)
+        table = jax.jit(SPINE.transition_table)(drafter, target, pre, cand, anchor)
     ref = lwr_table_float64(drafter, target, np.asarray(pre), np.asarray(cand), np.asarray(anchor))
     assert np.abs(ref - ref[:, :, :1]).max() > 1e-2  # the table depends on the predecessor
     assert_close(table, ref, 1e-5)

@@ -32,6 +32,7 @@ from flax import struct
 from scipy import stats
 
 from dspine_jax import drafter as D
+from dspine_jax.dspine import SPINE
 from dspine_jax import target as tgt
 from dspine_jax.drafter import DraftOutput
 from dspine_jax.drafter_io import init_drafter
@@ -156,7 +157,7 @@ def make_drafter(target, kind: str):
         anchor = jnp.array([PROMPT[-1]], jnp.int32)
         fwd = forward(drafter, target, cache, D.block_tokens(drafter, anchor))
         cand = jax.lax.top_k(D.unary_logits(drafter, target, fwd.hidden[:, 1:]), 4)[1].astype(jnp.int32)
-        table = jax.nn.softmax(D.transition_table(drafter, target, fwd.pre_injection[:, 1:], cand, anchor), axis=-1)
+        table = jax.nn.softmax(SPINE.transition_table(drafter, target, fwd.pre_injection[:, 1:], cand, anchor), axis=-1)
         assert float(jnp.abs(table[:, 1:] - table[:, 1:, :1]).max()) > 0.1
     return drafter
 

@@ -21,6 +21,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import uvicorn
+
+from dspine_jax import target as tgt
+from dspine_jax import tokenizer as tokenizer_io
+from dspine_jax.drafter_io import load_draft
+from dspine_jax.generate import enable_compilation_cache
+from dspine_jax.mesh import make_mesh
+from dspine_jax.serve.engine import EngineCore
+from dspine_jax.serve.server import ServerConfig, StartupError, build_app
+from dspine_jax.speculative import load_sps_table
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SHIPPED_DRAFTER = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-dspine-b16"
 
@@ -70,19 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
 def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None]) -> tuple[Any, Any]:
     """Weights, tokenizer, drafter → a compiled ``EngineCore`` and the tokenizer (the server's loader, run on
     its engine thread). Failures the user can fix raise ``StartupError`` with a one-line message."""
-    import jax
-
-    from dspine_jax.serve.engine import EngineCore
-    from dspine_jax.serve.server import StartupError
-    from dspine_jax.speculative import load_draft, load_sps_table
-    from dspine_jax.target import load_target
-    from dspine_jax.tokenizer import load_tokenizer
-
     t0 = time.perf_counter()
     log(f"loading {args.model} ({args.dtype}) on {jax.devices()[0].platform}")
     try:
-        target = load_target(args.model, dtype=args.dtype)
-        tokenizer = load_tokenizer(args.model)
+        target = tgt.load_target(args.model, dtype=args.dtype)
+        tokenizer = tokenizer_io.load_tokenizer(args.model)
     except (ValueError, FileNotFoundError, OSError) as e:
         raise StartupError(f"could not load model {args.model!r}: {e}") from None
     drafter = None
@@ -126,12 +130,6 @@ def main(argv: list[str] | None = None) -> None:
 
     def log(msg: str) -> None:
         print(f"[dspine_jax.serve] {msg}", file=sys.stderr, flush=True)
-
-    import uvicorn
-
-    from dspine_jax.generate import enable_compilation_cache
-    from dspine_jax.mesh import make_mesh
-    from dspine_jax.serve.server import ServerConfig, build_app
 
     try:  # before loading anything: a mesh this machine cannot build should fail at once
         mesh = make_mesh(tp=args.tp, dp=args.dp) if (args.tp, args.dp) != (1, 1) else None

@@ -135,39 +135,15 @@ def draft_rows(
 ) -> DraftOutput:
     """``drafter.draft`` with per-row temperature and keys (``[B]``) → ``num`` proposals per row.
 
-    Built from the drafter's own forward / unary logits / transition table; only the choice step is
-    per-row (``drafter.choose`` takes one temperature and one key for the batch)."""
+    The drafter kind's own forward, candidates and selection (DFlash per slot, DSpine's walk); only the
+    choice step is per-row (``drafter.choose`` takes one temperature and one key for the batch)."""
     if num + 1 < drafter.config.block_size and all(drafter.config.layer_causal):
         drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
-    config = drafter.config
     fwd = dr.forward(drafter, target, cache, dr.block_tokens(drafter, anchor))
-    logits = dr.unary_logits(drafter, target, fwd.hidden[:, 1:])  # [B, P', V]
-    b, p, v = logits.shape
-    slot_keys = jnp.moveaxis(_split_rows(keys, p), 1, 0)  # [P', B]
-    if config.is_dspine:
-        _, cand_ids = jax.lax.top_k(logits, config.top_k)
-        # Opaque indices keep XLA:CPU's TopK rewrite (else top-k becomes a full sort; see drafter.decode).
-        cand_ids = jax.lax.optimization_barrier(cand_ids.astype(jnp.int32))
-        table = dr.transition_table(drafter, target, fwd.pre_injection[:, 1:], cand_ids, anchor)
-
-        def step(prev, xs):
-            table_i, cand_i, key_i = xs
-            row = jnp.take_along_axis(table_i, prev[:, None, None], axis=1)[:, 0]
-            index, q = _choose_rows(row, key_i, temperature)
-            return index, (jnp.take_along_axis(cand_i, index[:, None], axis=1)[:, 0], q)
-
-        xs = (jnp.moveaxis(table, 1, 0), jnp.moveaxis(cand_ids, 1, 0), slot_keys)
-        _, (tokens, q) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), xs)
-        tokens, q = jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(q, 0, 1)
-    else:
-        if config.top_k >= v:
-            scores, cand_ids = logits, jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (b, p, v))
-        else:
-            scores, cand_ids = jax.lax.top_k(logits, config.top_k)
-            cand_ids = jax.lax.optimization_barrier(cand_ids.astype(jnp.int32))
-        index, q = jax.vmap(_choose_rows, in_axes=(1, 0, None), out_axes=(1, 1))(scores, slot_keys, temperature)
-        tokens = jnp.take_along_axis(cand_ids, index[..., None], axis=-1)[..., 0]
-    return DraftOutput(tokens=tokens[:, :num], cand_ids=cand_ids[:, :num], q=q[:, :num])
+    cands = drafter.kind.candidates(drafter, target, fwd, anchor)
+    slot_keys = jnp.moveaxis(_split_rows(keys, cands.cand_ids.shape[1]), 1, 0)  # [P', B]
+    tokens, q = drafter.kind.select(cands, slot_keys, lambda scores, k: _choose_rows(scores, k, temperature))
+    return DraftOutput(tokens=tokens[:, :num], cand_ids=cands.cand_ids[:, :num], q=q[:, :num])
 
 
 def accept_sampling_rows(

@@ -25,7 +25,7 @@ from dspine_jax.drafter import DraftOutput
 from dspine_jax.generate import generate
 from dspine_jax.serve import engine as eng
 from dspine_jax.serve.engine import EngineCore, SlotParams
-from dspine_jax.speculative import load_draft
+from dspine_jax.drafter_io import load_draft
 from dspine_jax.target import load_target
 from dspine_jax.tokenizer import load_tokenizer
 from load import FALLBACK_PROMPTS  # experiments/serving/load.py (this script's directory is on sys.path)

@@ -6,7 +6,7 @@
 import time
 
 from dspine_jax.serve.engine import EngineCore, SlotParams
-from dspine_jax.speculative import load_draft
+from dspine_jax.drafter_io import load_draft
 from dspine_jax.target import load_target
 
 target = load_target("smollm2-135m-instruct")
