@@ -1,4 +1,12 @@
-"""DFlash / DSpine drafters: backbone, adjacent causal injection, transfer codes, decode head.
+"""Drafters: the draft context cache, the backbone every kind shares, the kind registry's base ``DFlash``.
+
+A drafter *kind* is a registered class (``drafter_config.register_drafter_kind``) named by
+``config.kind``; ``drafter.kind`` is its instance and the functions below dispatch to it. ``DFlash``
+here is the base; ``DSpine(DFlash)`` (``dspine.py``) adds the injection, last-write refinement and the
+transition walk. A kind overrides ``after_layer`` (what runs after each backbone layer), the decode head
+(``candidates`` → scores, ``select`` → proposals) and, for weights of its own, the checkpoint hooks.
+Training runs the same ``forward_blocks`` over many anchored blocks with its own attention
+(``train/model.py``).
 
 Drafting API (what the speculative loop calls)
 ==============================================
@@ -27,11 +35,11 @@ cache, and drafts a whole block in one forward::
 * ``draft`` is pure and static-shaped: ``jax.jit(draft)(drafter, target, cache, anchor, key, t)`` is the
   whole round-draft (backbone, injection, top-K, transition table, walk) as one compiled call.
   ``temperature`` is a traced float32 scalar: ``<= 0`` means greedy, so one compilation serves both.
-* DFlash mode: in-block attention as configured (bidirectional by default), no injection, each slot
+* DFlash: in-block attention as configured (bidirectional by default), no injection, each slot
   decoded independently from its own logits; C = vocab size (``cand_ids`` is ``arange(V)``), so ``q`` is
   ``sampling.sampling_probs(logits, temperature, top_p, top_k)``: the target's own sampling transform,
   exactly as z-lab's ``dflash_generate`` builds its draft distribution.
-* DSpine mode: causal in-block attention, injection after every layer, C = ``top_k`` candidates from the
+* DSpine (``dspine.py``): causal in-block attention, injection after every layer, C = ``top_k`` candidates from the
   unary logits (the drafter config's ``top_k``, not the sampling one), last-write refinement (LWR) table
   ``[B, P, C, C]`` and a left-to-right ``lax.scan`` over table look-ups; at temperature > 0 slot i samples
   from ``softmax(T[i, k_prev, :] / temperature)`` (top-p / top-k sampling filters do not apply: the walk

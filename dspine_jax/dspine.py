@@ -71,10 +71,10 @@ class Injection:
     bias: Array  # [M]
 
 
-def head_rows(target: Target, ids: Array) -> Array:
-    """LM-head rows of token ids: ``[...]`` → ``[..., H]`` (a column gather from the ``[H, V]`` head, so
-    the full head is never transposed)."""
-    return jnp.moveaxis(jnp.take(target.params.lm_head, ids, axis=1), 0, -1)
+def head_rows(lm_head: Array, ids: Array) -> Array:
+    """Rows of the LM head ``[H, V]`` for token ids: ``[...]`` → ``[..., H]`` (a column gather, so the
+    full head is never transposed)."""
+    return jnp.moveaxis(jnp.take(lm_head, ids, axis=1), 0, -1)
 
 
 @register_drafter_kind
@@ -265,7 +265,8 @@ class DSpine(DFlash):
             functools.partial(_transition_kernel.transition_scores, eps=drafter.config.rms_norm_eps),
             [rows, rows, rows + (None,), rows + (None,), None], rows + (None,),
         )  # fmt: skip
-        return scores(pre, receiver_logit, self.code(drafter, predecessors), head_rows(target, cand_ids), weights)
+        rows_of_candidates = head_rows(target.params.lm_head, cand_ids)  # [B, P, C, H]
+        return scores(pre, receiver_logit, self.code(drafter, predecessors), rows_of_candidates, weights)
 
     def candidates(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array) -> Candidates:
         """The unary top-``config.top_k`` per slot and their transition table ``[B, P, C, C]``."""
@@ -314,7 +315,8 @@ class DSpine(DFlash):
         tokens, qs = [], []
         for i in range(p):
             refined = self.refine(drafter, pre[:, i], previous)  # [B, H]
-            scores = jnp.einsum("bh,bjh->bj", refined, head_rows(target, cand_ids[:, i]), preferred_element_type=jnp.float32)
+            rows = head_rows(target.params.lm_head, cand_ids[:, i])  # [B, C, H]
+            scores = jnp.einsum("bh,bjh->bj", refined, rows, preferred_element_type=jnp.float32)
             index, q = choose(scores, keys[i], temperature)
             previous = jnp.take_along_axis(cand_ids[:, i], index[:, None], axis=1)[:, 0]
             tokens.append(previous)

@@ -136,7 +136,7 @@ def measure(name: str, target_cfg: dict, drafter_cfg: dict, batch: int, context_
     embed_gather = cost(lambda tg, a: tg.params.embed[D.block_tokens(drafter, a)], target, anchor)[1]
     if c.kind == "dspine":
         cand = sds((batch, t - 1, c.top_k), jnp.int32)
-        head_gather = cost(dspine.head_rows, target, cand)[1]
+        head_gather = cost(lambda tg, ids: dspine.head_rows(tg.params.lm_head, ids), target, cand)[1]
     if c.kind == "dspine":
         shape = f"C={c.top_k}, R={c.transfer_rank}, M={c.message_size}"
     else:
