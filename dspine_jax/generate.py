@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
 from dspine_jax import drafter_io, hub, speculative

@@ -361,7 +361,7 @@ def lwr_table_float64(drafter: D.Drafter, target, pre: np.ndarray, cand: np.ndar
 
 @pytest.mark.parametrize("mode", ["reference", "interpret"])
 def test_transition_table_matches_an_independent_float64_lwr(drafters, mode):
-    """``drafter.transition_table`` through the dispatcher — the jnp reference, or the Pallas kernel in
+    """``DSpine.transition_table`` through the dispatcher — the jnp reference, or the Pallas kernel in
     interpret mode — against the float64 restatement above, on the drafter's own per-slot inputs."""
     target, [(drafter, cache), _] = drafters
     anchor = jnp.array([4, 50, 99], jnp.int32)
