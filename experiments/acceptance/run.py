@@ -72,6 +72,10 @@ def main(argv=None) -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--variants", default="dflash,dspine,dspine-no-lwr,dspine-no-inj")
     ap.add_argument("--timing", action="store_true", help="second greedy run of AR / dflash / dspine for speed")
+    ap.add_argument("--outside", type=int, default=0,
+                    help="also τ (greedy, DFlash and DSpine) on N prompts per domain drawn outside the repository (outside.py)")
+    ap.add_argument("--curve", type=Path, action="append", default=[],
+                    help="training run dir(s) whose periodic held-out τ (metrics.jsonl) is plotted as a learning curve")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = ap.parse_args(argv)
     enable_compilation_cache()
@@ -101,12 +105,7 @@ def main(argv=None) -> None:
                      "prompts": {d: row_domain.count(d) for d in domains}, "batch": len(prompts)}
 
     def per_domain(res) -> dict[str, float]:
-        out = {}
-        for d in domains + ["all"]:
-            rows = [i for i, rd in enumerate(row_domain) if d in ("all", rd)]
-            steps = sum(len(res.acceptance_lengths[i]) for i in rows)
-            out[d] = sum(sum(res.acceptance_lengths[i]) for i in rows) / max(steps, 1)
-        return out
+        return tau_per_domain(res, row_domain, domains)
 
     t0 = time.perf_counter()
     ar = generate(target, prompts, max_new_tokens=args.max_new_tokens)
@@ -128,8 +127,45 @@ def main(argv=None) -> None:
             speed[name] = speculative_generate(target, proposers[name], prompts, args.max_new_tokens).decode_tokens_per_second
         results["speed"]["all (batch %d)" % len(prompts)] = speed
         print({k: round(v, 1) for k, v in speed.items()}, flush=True)
+    if args.outside:
+        from outside import outside_prompts
+
+        from dspine_jax.tokenizer import load_tokenizer
+
+        outside = outside_prompts(load_tokenizer(args.target), data, default_data_dir(), args.outside)
+        o_prompts = [r["prompt_ids"] for d in domains for r in outside[d]]
+        o_domain = [d for d in domains for _ in outside[d]]
+        results["outside_prompts"] = {d: [r["source"] for r in outside[d]] for d in domains}
+        for name in ("dflash", "dspine"):
+            res = speculative_generate(target, proposers[name], o_prompts, args.max_new_tokens)
+            results.setdefault("tau_outside", {})[f"{name}@T0"] = tau_per_domain(res, o_domain, domains)
+            print("outside", name, results["tau_outside"][f"{name}@T0"], flush=True)
+    results["curves"] = {str(run): learning_curve(run) for run in args.curve}
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     write_report(results, args.out)
+
+
+def tau_per_domain(res, row_domain: list[str], domains: list[str]) -> dict[str, float]:
+    """Tokens per verify step per domain and over all rows, from the per-row acceptance lengths."""
+    out = {}
+    for d in domains + ["all"]:
+        rows = [i for i, rd in enumerate(row_domain) if d in ("all", rd)]
+        steps = sum(len(res.acceptance_lengths[i]) for i in rows)
+        out[d] = sum(sum(res.acceptance_lengths[i]) for i in rows) / max(steps, 1)
+    return out
+
+
+def learning_curve(run: Path) -> list[dict]:
+    """(step, response tokens supervised so far, τ per domain) at every periodic evaluation of a run."""
+    config = json.loads((run / "run.json").read_text())
+    per_step = config["batch_size"] * config["anchors"] * (config["block_size"] - 1)
+    points = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        taus = {k[4:]: v for k, v in m.items() if k.startswith("tau_")}
+        if taus:
+            points.append({"step": m["step"], "slot_tokens_seen": m["step"] * per_step, "tau": taus})
+    return points
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -145,7 +181,21 @@ def write_report(results: dict, out: Path) -> None:
         for d, sp in results["speed"].items():
             s_lines.append(f"| {d} | {sp['ar']:.1f} | {sp['dflash']:.1f} | {sp['dspine']:.1f} | {sp['dspine'] / sp['ar']:.2f}× |")
         speed = "\n".join(s_lines)
-    (out / "table.md").write_text(table + "\n\n" + speed + "\n")
+    outside = ""
+    if results.get("tau_outside"):
+        o_lines = ["| variant (outside prompts) | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+        for name, row in results["tau_outside"].items():
+            o_lines.append(f"| {name} | " + " | ".join(f"{row.get(d, float('nan')):.2f}" for d in domains) + " |")
+        outside = "\n".join(o_lines)
+    curve = ""
+    for run, points in results.get("curves", {}).items():
+        c_lines = [f"Learning curve of `{Path(run).name}` (periodic held-out τ, greedy, the run's eval prompts):", "",
+                   "| step | slot tokens seen | " + " | ".join(points[0]["tau"]) + " |" if points else "",
+                   "|---|---|" + "---|" * (len(points[0]["tau"]) if points else 0)]  # fmt: skip
+        for p in points:
+            c_lines.append(f"| {p['step']} | {p['slot_tokens_seen']} | " + " | ".join(f"{v:.2f}" for v in p["tau"].values()) + " |")
+        curve += "\n".join(c_lines) + "\n\n"
+    (out / "table.md").write_text(table + "\n\n" + speed + "\n\n" + outside + "\n\n" + curve)
     try:
         import matplotlib
 
