@@ -190,8 +190,8 @@ def print_table(report: dict[str, Any]) -> None:
 
 SYSTEMS = ("hf", "hf_prompt_lookup", "ours", "ours+dflash", "ours+dspine")
 DEFAULT_DRAFTERS = {
-    "ours+dflash": str(REPO_ROOT / "checkpoints/smollm2-135m-dflash-b16"),
-    "ours+dspine": str(REPO_ROOT / "checkpoints/smollm2-135m-dspine-b16"),
+    "ours+dflash": str(REPO_ROOT / "checkpoints/smollm2-135m-dflash-b8"),
+    "ours+dspine": str(REPO_ROOT / "checkpoints/smollm2-135m-dspine-b8"),
 }
 PROMPT_LOOKUP_TOKENS = 10
 

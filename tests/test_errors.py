@@ -122,7 +122,7 @@ def cli_without_loading(monkeypatch):
         (["--draft", "init:dspine:1"], r"--draft"),
         (["--draft", "init:dspine", "--block-size", "1"], r"--block-size: .*>= 2"),
         (["--draft", "init:dspine:8", "--block-size", "9"], r"--block-size: .*9.*8"),
-        (["--draft", "checkpoints/smollm2-135m-dspine-b16", "--block-size", "17"], r"--block-size: .*17.*16"),
+        (["--draft", "checkpoints/smollm2-135m-dspine-b8", "--block-size", "9"], r"--block-size: .*9.*8"),
         (["--block-size", "4"], r"--block-size .*--draft"),
         (["--sps-table", "t.json"], r"--sps-table .*--draft"),
         (["--draft", "init:dspine", "--sps-table", "/no/such/table.json"], r"--sps-table: .*/no/such/table\.json"),
@@ -153,7 +153,7 @@ def test_cli_accepts_good_arguments_then_loads(cli_without_loading, monkeypatch)
     monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
     for args in (["--max-new-tokens", "5", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "5"],
                  ["--draft", "init:dflash:8", "--block-size", "8"],
-                 ["--draft", "checkpoints/smollm2-135m-dspine-b16", "--block-size", "16"]):
+                 ["--draft", "checkpoints/smollm2-135m-dspine-b8", "--block-size", "8"]):
         with pytest.raises(_Loaded):
             cli_without_loading(*args)
 

@@ -1,4 +1,4 @@
-"""The shipped SmolLM2 drafters (checkpoints/smollm2-135m-{dspine,dflash}-b16): they load with
+"""The shipped SmolLM2 drafters (checkpoints/smollm2-135m-{dspine,dflash}-b8): they load with
 ``load_drafter``, speculative decoding with them is greedy-exact, and the DFlash export loads in z-lab's
 ``dflash`` reference package with every tensor consumed."""
 
@@ -16,7 +16,7 @@ from dspine_jax.generate import encode_prompt
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-CKPTS = {kind: ROOT / "checkpoints" / f"smollm2-135m-{kind}-b16" for kind in ("dspine", "dflash")}
+CKPTS = {kind: ROOT / "checkpoints" / f"smollm2-135m-{kind}-b8" for kind in ("dspine", "dflash")}
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +34,9 @@ def shipped(kind: str) -> Path:
 def test_shipped_drafter_loads_and_is_greedy_exact(smollm2, kind):
     target, tokenizer = smollm2
     drafter = load_drafter(shipped(kind), target)
-    assert drafter.config.kind == kind and drafter.config.block_size == 16 and drafter.config.num_layers == 5
-    # The weights were trained with the mask token their config records (the target's pad id, 2); loading
-    # must keep it even though new drafters default to a dedicated token.
-    assert drafter.config.mask_token_id == 2 != default_mask_token_id(target, tokenizer)
+    assert drafter.config.kind == kind and drafter.config.block_size == 8 and drafter.config.num_layers == 2
+    # Trained with the dedicated mask token (not the pad/EOS id 2 the first drafters used).
+    assert drafter.config.mask_token_id == default_mask_token_id(target, tokenizer) == 16
     assert (CKPTS[kind] / "model.safetensors").stat().st_size <= 60 * 2**20
     prompts = [encode_prompt(tokenizer, "Write a Python function that returns the sum of a list.", chat=True),
                encode_prompt(tokenizer, "What is 17 times 3?", chat=True)]  # fmt: skip
@@ -72,4 +71,4 @@ def test_shipped_dflash_loads_in_zlab_reference():
     dflash_model = require("dflash.model")
     model, info = dflash_model.DFlashDraftModel.from_pretrained(str(shipped("dflash")), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert model.block_size == 16
+    assert model.block_size == 8

@@ -34,7 +34,7 @@ from dspine_jax.serve.server import ServerConfig, StartupError, build_app
 from dspine_jax.speculative import load_sps_table
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SHIPPED_DRAFTER = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-dspine-b16"
+SHIPPED_DRAFTER = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-dspine-b8"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
