@@ -413,6 +413,8 @@ def features_dir(data_dir: Path, target_tag: str, taps: tuple[int, ...], max_len
     name = f"{target_tag}-taps{'_'.join(map(str, taps))}"
     if (data_dir / PLAN_FILE).exists():
         return default_data_dir() / "features" / f"{data_dir.name}-{name}"
+    if max_len is None:
+        raise ValueError("a first-generation dataset's features are stored padded: max_len is required")
     return data_dir / "features" / f"{name}-S{max_len}"
 
 
@@ -431,9 +433,9 @@ def write_shard_features(feat_dir: Path, shard: Path, features: list[np.ndarray]
     with open(tmp, "wb") as f:
         np.save(f, flat)
     tmp.rename(npy)
-    info = {"shard_sha256": _file_sha256(shard), "lengths": [len(x) for x in features]}
-    meta.with_name(f".{meta.name}.tmp").write_text(json.dumps(info))
-    meta.with_name(f".{meta.name}.tmp").rename(meta)
+    tmp = meta.with_name(f".{meta.name}.tmp")
+    tmp.write_text(json.dumps({"shard_sha256": _file_sha256(shard), "lengths": [len(x) for x in features]}))
+    tmp.rename(meta)
 
 
 def read_shard_features(feat_dir: Path, shard: Path, lengths: list[int]) -> np.ndarray | None:

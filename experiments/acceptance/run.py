@@ -104,9 +104,6 @@ def main(argv=None) -> None:
     results: dict = {"max_new_tokens": args.max_new_tokens, "tau": {}, "speed": {}, "greedy_exact": {},
                      "prompts": {d: row_domain.count(d) for d in domains}, "batch": len(prompts)}
 
-    def per_domain(res) -> dict[str, float]:
-        return tau_per_domain(res, row_domain, domains)
-
     t0 = time.perf_counter()
     ar = generate(target, prompts, max_new_tokens=args.max_new_tokens)
     print(f"AR batch {len(prompts)}: {time.perf_counter() - t0:.1f}s", flush=True)
@@ -114,10 +111,10 @@ def main(argv=None) -> None:
         for name in variants:
             t0 = time.perf_counter()
             res = speculative_generate(target, proposers[name], prompts, args.max_new_tokens, temperature=temp, seed=0)
-            results["tau"][f"{name}@T{temp:g}"] = per_domain(res)
+            tau = results["tau"][f"{name}@T{temp:g}"] = tau_per_domain(res, row_domain, domains)
             if temp == 0:
                 results["greedy_exact"][name] = res.token_ids == ar.token_ids
-            print(f"T={temp:g} {name:14s} " + " ".join(f"{d}={v:.2f}" for d, v in per_domain(res).items())
+            print(f"T={temp:g} {name:14s} " + " ".join(f"{d}={v:.2f}" for d, v in tau.items())
                   + f" ({time.perf_counter() - t0:.1f}s)", flush=True)
             (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     if args.timing:  # second runs: everything is compiled now
