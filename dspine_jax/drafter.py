@@ -425,6 +425,11 @@ class DFlash:
         """The per-layer feature training aligns (``[B, A, T, R]``), or None for kinds without one."""
         return None
 
+    def replacement(self, drafter: Drafter, mask: Array, labels: Array) -> Replacement | None:
+        """Training's predecessor replacement for the blocks ``mask [B, A]`` selects, whose real tokens are
+        ``labels [B, A, T]`` (None for kinds without predecessor messages)."""
+        return None
+
     def forward_blocks(
         self, drafter: Drafter, x: Array, cos: Array, sin: Array, attend: Attend, anchor: Array,
         *, inject: bool = True, replacement: Replacement | None = None, collect_features: bool = False,
@@ -526,20 +531,3 @@ def q_full(out: DraftOutput, vocab_size: int) -> Array:
     full = jnp.zeros((b, p, vocab_size), jnp.float32)
     rows, slots = jnp.arange(b)[:, None, None], jnp.arange(p)[None, :, None]
     return full.at[rows, slots, out.cand_ids].add(out.q)
-
-
-# TRANSITIONAL (removed once train/ calls the DSpine kind's public methods): the old private helpers.
-def _feature(h: Array, readout: Array, rank: int) -> Array:
-    return drafter_kind("dspine").feature(h, readout, rank)
-
-
-def _code(drafter: Drafter, token_ids: Array) -> Array:
-    return drafter_kind("dspine").code(drafter, token_ids)
-
-
-def _write(inj: Any, layer: int, h: Array, receiver_logit: Array, predecessor: Array) -> Array:
-    return drafter_kind("dspine").write(inj, layer, h, receiver_logit, predecessor)
-
-
-def refine(drafter: Drafter, pre: Array, predecessor_ids: Array) -> Array:
-    return drafter.kind.refine(drafter, pre, predecessor_ids)

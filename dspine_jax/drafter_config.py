@@ -114,10 +114,6 @@ class DrafterConfig:
     raw_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     @property
-    def is_dspine(self) -> bool:  # TRANSITIONAL: train/ still asks; everything else asks the kind
-        return self.kind == "dspine"
-
-    @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 

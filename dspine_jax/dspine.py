@@ -235,6 +235,10 @@ class DSpine(DFlash):
     def layer_feature(self, drafter: Drafter, layer: int, h: Array) -> Array:
         return self.feature(h, drafter.params.injection.readouts[layer], drafter.config.transfer_rank)
 
+    def replacement(self, drafter: Drafter, mask: Array, labels: Array) -> Replacement:
+        layers = int(drafter.config.dspine_settings.get("replacement_layers", 0))
+        return Replacement(mask=mask, codes=self.code(drafter, labels[..., :-1]), layers=layers)
+
     def refine(self, drafter: Drafter, pre: Array, predecessor_ids: Array) -> Array:
         """Last-write refinement: redo the last layer's write from its pre-injection state with a known
         predecessor token's code, then the final norm. pre ``[..., H]``, predecessor_ids ``[...]`` → ``[..., H]``."""

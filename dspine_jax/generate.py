@@ -41,7 +41,7 @@ def prefill(
 ):
     """Prompts ``tokens [B, P]`` (right-padded to ``lengths``) → cache and the first sampled token ``[B]``."""
     cache = tgt.init_cache(target, tokens.shape[0], capacity)
-    hidden, _, cache, saved = tgt.forward(target, cache, tokens, return_replay=True)
+    hidden, _, cache, saved = tgt.forward(target, cache, tokens)
     cache = tgt.replay(target, cache, saved, lengths)  # a commit; on hybrids it also keeps pads out of the GDN state
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
     return cache, sample(key, tgt.lm_logits(target, last), temperature, top_p, top_k, greedy)
@@ -76,7 +76,7 @@ def decode_loop(
         key, step_key = jax.random.split(key)
         running = active(counts, stopped)
         last = jnp.take_along_axis(out, (counts - 1)[:, None], axis=1)  # [B, 1]
-        hidden, _, cache = tgt.forward(target, cache, last)
+        hidden, _, cache, _ = tgt.forward(target, cache, last)
         cache = cache.commit(running.astype(jnp.int32))
         token = sample(step_key, tgt.lm_logits(target, hidden[:, 0]), temperature, top_p, top_k, greedy)
         out = out.at[jnp.arange(batch), counts].set(jnp.where(running, token, 0), mode="drop")

@@ -238,7 +238,7 @@ def prefill_impl(
     batch = tokens.shape[0]
     cache = tgt.init_cache(target, batch, capacity)
     state = proposer.init(target, batch, capacity)
-    hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, proposer.taps, return_replay=True)
+    hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, proposer.taps)
     # replay = commit for dense targets; for hybrids it keeps pad tokens out of the GDN state.
     cache = tgt.replay(target, cache, saved, lengths)
     state = proposer.prefill(target, state, tapped, lengths)
@@ -296,7 +296,7 @@ def loop_impl(
         )
         block = jnp.concatenate([anchor[:, None], proposal.tokens.astype(jnp.int32)], axis=1)  # [B, T]
         # 2. verify
-        hidden, tapped, cache, saved = tgt.forward(target, carry["cache"], block, proposer.taps, return_replay=True)
+        hidden, tapped, cache, saved = tgt.forward(target, carry["cache"], block, proposer.taps)
         logits = tgt.lm_logits(target, hidden)  # [B, T, V] f32
         # 3. accept
         if greedy:

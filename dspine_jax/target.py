@@ -71,23 +71,15 @@ def init_cache(target: Target, batch: int, capacity: int) -> Any:
     return target.family.init_cache(target.config, batch, capacity, target.dtype)
 
 
-def forward(target: Target, cache: Any, tokens: Array, taps: tuple[int, ...] = (), *, return_replay: bool = False) -> Any:
+def forward(target: Target, cache: Any, tokens: Array, taps: tuple[int, ...] = ()) -> TargetForward:
     """Run ``tokens [B, T]`` at positions ``cache.lengths[:, None] + arange(T)`` → ``TargetForward``
     ``(hidden [B, T, H], tapped [len(taps), B, T, H], cache, replay record)`` (module doc)."""
-    out = target.family.forward(target.params, target.config, cache, tokens, tuple(taps))
-    # TRANSITIONAL (until train/corpus.py and train/data.py move to the one return shape): the old
-    # 3-tuple without return_replay.
-    return out if return_replay else tuple(out[:3])
+    return target.family.forward(target.params, target.config, cache, tokens, tuple(taps))
 
 
-def replay(*args: Any) -> Any:
-    """``replay(target, cache, record, num_tokens)``: keep the first ``num_tokens [B]`` tokens of the block
-    ``forward`` just ran (``cache`` and ``record`` are its outputs); ``lengths`` advance by ``num_tokens``.
-    Rows may keep different counts, 0 … T."""
-    if len(args) == 3:  # TRANSITIONAL: the old (cache, record, num_tokens) call of train/corpus.py
-        cache, record, num_tokens = args
-        return cache.commit(num_tokens) if record is None else hybrid.replay(cache, record, num_tokens)
-    target, cache, record, num_tokens = args
+def replay(target: Target, cache: Any, record: Any, num_tokens: Array) -> Any:
+    """Keep the first ``num_tokens [B]`` tokens of the block ``forward`` just ran (``cache`` and ``record``
+    are its outputs); ``lengths`` advance by ``num_tokens``. Rows may keep different counts, 0 … T."""
     return target.family.replay(cache, record, num_tokens)
 
 

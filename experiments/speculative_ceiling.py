@@ -95,7 +95,7 @@ def main() -> None:
     context = jnp.asarray([prompt + reference[: n // 2]], jnp.int32)
     length = context.shape[1]
     cache = tgt.init_cache(target, 1, length + 32)
-    _, tapped, cache = jax.jit(tgt.forward, static_argnames="taps")(target, cache, context, taps)
+    _, tapped, cache, _ = jax.jit(tgt.forward, static_argnames="taps")(target, cache, context, taps)
     cache = cache.commit(jnp.asarray([length]))
     dcache = jax.jit(append_context)(drafter, init_draft_cache(drafter, 1, length + 32), tapped, jnp.asarray([length]))
     anchor = jnp.asarray([reference[n // 2]], jnp.int32)
@@ -106,7 +106,7 @@ def main() -> None:
     block = jnp.concatenate([anchor[:, None], draft_fn(drafter, target, dcache, anchor, key, greedy).tokens], 1)
 
     def verify_impl(target, cache, block):
-        hidden, tapped, cache, _ = tgt.forward(target, cache, block, taps, return_replay=True)
+        hidden, tapped, cache, _ = tgt.forward(target, cache, block, taps)
         return tgt.lm_logits(target, hidden), tapped, cache
 
     verify = jax.jit(verify_impl, donate_argnums=1)

@@ -110,8 +110,9 @@ def hybrid_models(tmp_path_factory) -> dict:
 
 @functools.cache
 def _jitted():
-    fwd = jax.jit(tgt.forward, static_argnames=("taps",))
-    fwd_replay = jax.jit(lambda target, cache, tokens: tgt.forward(target, cache, tokens, return_replay=True))
+    # (hidden, tapped, cache) alone, and the whole TargetForward with its replay record
+    fwd = jax.jit(lambda target, cache, tokens, taps=(): tgt.forward(target, cache, tokens, taps)[:3], static_argnames=("taps",))
+    fwd_replay = jax.jit(tgt.forward)
     return fwd, fwd_replay, jax.jit(tgt.replay), jax.jit(tgt.lm_logits)
 
 
@@ -283,7 +284,7 @@ def test_replay_every_length(hybrid_models, family):
         _, _, after, saved = fwd_replay(target, cache, block)
         assert len(saved) == 3 and saved[0].state.shape == (batch, 4, 16, 16)
         assert saved[0].k.shape[:2] == (batch, block_len)
-        replayed = replay(after, saved, jnp.asarray(n, jnp.int32))
+        replayed = replay(target, after, saved, jnp.asarray(n, jnp.int32))
 
         # Reference: feed the block one token at a time (recurrent path), snapshot after each.
         snapshots, c = [cache], cache
@@ -295,7 +296,7 @@ def test_replay_every_length(hybrid_models, family):
         _assert_cache_close(replayed, expected, atol=1e-5)
 
         # Keeping the whole block equals the forward's own (chunked) result.
-        full = replay(after, saved, jnp.full((batch,), block_len, jnp.int32))
+        full = replay(target, after, saved, jnp.full((batch,), block_len, jnp.int32))
         _assert_cache_close(full, after.commit(jnp.full((batch,), block_len)), atol=1e-5)
 
         if round_ == 0:
@@ -360,5 +361,5 @@ def test_generate_matches_hf_greedy(hybrid_models):
     result = generate_mod.generate(target, prompts, new, stop_ids=[])
     assert result.token_ids == [_hf_greedy(model, p, new) for p in prompts], (
         "right-padded prefill must not leave the pad tokens in the GDN state: prefill should run "
-        "forward(..., return_replay=True) and keep the prompt with target.replay(cache, saved, lengths)"
+        "forward and keep the prompt with target.replay(target, cache, saved, lengths)"
     )

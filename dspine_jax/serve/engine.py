@@ -208,7 +208,7 @@ def prefill_slot(
     taps = drafter.config.target_layer_ids if drafter is not None else ()
     small = _resume_row(cache, tgt.init_cache(target, 1, capacity), slot, fresh)
     lengths = length[None].astype(jnp.int32)
-    hidden, tapped, small, saved = tgt.forward(target, small, tokens, taps, return_replay=True)
+    hidden, tapped, small, saved = tgt.forward(target, small, tokens, taps)
     small = tgt.replay(target, small, saved, lengths)
     cache = _write_row(cache, small, slot)
     if drafter is not None:
@@ -276,7 +276,7 @@ def step_rows(
     else:
         block = anchor[:, None]
     taps = drafter.config.target_layer_ids if (drafter is not None and t > 1) else ()
-    hidden, tapped, cache, saved = tgt.forward(target, cache, block, taps, return_replay=True)
+    hidden, tapped, cache, saved = tgt.forward(target, cache, block, taps)
     logits = tgt.lm_logits(target, hidden)  # [S, T, V] f32
 
     if t > 1:

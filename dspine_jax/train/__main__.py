@@ -16,6 +16,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from dspine_jax.drafter_config import build_target_layer_ids
+from dspine_jax.drafter_io import copy_target_layers, default_mask_token_id, init_drafter, save_drafter
+from dspine_jax.generate import enable_compilation_cache
+from dspine_jax.speculative import speculative_generate
+from dspine_jax.target import load_target
+from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax.train.data import build_features, load_heldout
+from dspine_jax.train.loop import Dataset, TrainConfig, train
+
 # Runs recorded before --loss-decay-gamma existed trained both kinds with γ = 7.
 LEGACY_GAMMA = 7.0
 
@@ -62,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train_config(run: dict[str, Any]):
     """The ``TrainConfig`` of a run (its ``run.json`` / argument dict)."""
-    from dspine_jax.train.loop import TrainConfig
 
     return TrainConfig(
         steps=run["steps"], batch_size=run["batch_size"], anchors=run["anchors"], lr=run["lr"], seed=run["seed"],
@@ -74,7 +85,6 @@ def train_config(run: dict[str, Any]):
 def build_drafter(target, run: dict[str, Any]):
     """The run's freshly initialised drafter (``card.export_step`` rebuilds it the same way to restore a
     checkpoint). Runs recorded before ``--mask-token-id`` existed used the target's pad id."""
-    from dspine_jax.drafter_io import copy_target_layers, init_drafter
 
     mask = run.get("mask_token_id")
     if mask is None:
@@ -91,7 +101,6 @@ def build_drafter(target, run: dict[str, Any]):
 
 def tapped_layers(target, run: dict[str, Any]) -> tuple[int, ...]:
     """The run's target taps: ``--target-layers`` or z-lab's rule for its depth."""
-    from dspine_jax.drafter_config import build_target_layer_ids
 
     given = run.get("target_layers")
     if given:
@@ -101,7 +110,6 @@ def tapped_layers(target, run: dict[str, Any]) -> tuple[int, ...]:
 
 def _tokenizer_or_none(source: str):
     """The target's tokenizer, or None (a bare model directory): it tells which token ids are unused."""
-    from dspine_jax.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(source)
@@ -111,8 +119,6 @@ def _tokenizer_or_none(source: str):
 
 
 def make_eval_fn(target, data_dir: Path, per_domain: int, max_new_tokens: int = 32):
-    from dspine_jax.speculative import speculative_generate
-    from dspine_jax.train.data import load_heldout
 
     held = load_heldout(data_dir)
 
@@ -130,14 +136,7 @@ def make_eval_fn(target, data_dir: Path, per_domain: int, max_new_tokens: int = 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    import jax
-    import jax.numpy as jnp
 
-    from dspine_jax.drafter_io import default_mask_token_id, save_drafter
-    from dspine_jax.generate import enable_compilation_cache
-    from dspine_jax.target import load_target
-    from dspine_jax.train.data import build_features
-    from dspine_jax.train.loop import Dataset, train
 
     enable_compilation_cache()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -11,18 +11,20 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
+from dspine_jax.drafter_io import save_drafter
+from dspine_jax.target import load_target
+
 from dspine_jax.train.__main__ import build_drafter, train_config
 from dspine_jax.train.data import load_sequences
+from dspine_jax.train.loop import loss_decay_gamma, make_optimizer, restore_state, split_params, training_drafter_config
 
 
 def export_step(run: Path, step: int, dest: Path, dtype: str = "bfloat16") -> dict:
     """Rebuild the run's drafter, restore orbax checkpoint ``step`` and save it to ``dest``."""
-    import jax
-    import jax.numpy as jnp
 
-    from dspine_jax.drafter_io import save_drafter
-    from dspine_jax.target import load_target
-    from dspine_jax.train.loop import make_optimizer, restore_state, split_params, training_drafter_config
 
     args = json.loads((run / "run.json").read_text())
     target = load_target(args["target"])
@@ -41,7 +43,6 @@ def export_step(run: Path, step: int, dest: Path, dtype: str = "bfloat16") -> di
 
 
 def write_card(run: Path, dest: Path, results: Path | None = None, data: Path | None = None, step: int | None = None) -> None:
-    from dspine_jax.train.loop import loss_decay_gamma
 
     args = json.loads((run / "run.json").read_text())
     stats = json.loads((run / "stats.json").read_text()) if (run / "stats.json").exists() else {}

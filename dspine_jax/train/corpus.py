@@ -343,8 +343,8 @@ def _greedy_with_features(
     """
     batch = tokens.shape[0]
     cache = tgt.init_cache(target, batch, tokens.shape[1] + max_new_tokens)
-    hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, taps, return_replay=True)
-    cache = tgt.replay(cache, saved, lengths)
+    hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, taps)
+    cache = tgt.replay(target, cache, saved, lengths)
     prompt_features = stack_features(tapped, hidden).astype(jnp.float16)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     first = sample(None, tgt.lm_logits(target, last), 1.0, 1.0, 0, True)
@@ -361,8 +361,8 @@ def _greedy_with_features(
         cache, counts, recorded, stopped, out, feats = state
         pending = recorded < counts  # the row's last token has not been fed yet
         last = jnp.take_along_axis(out, (counts - 1)[:, None], axis=1)
-        hidden, tapped, cache = tgt.forward(target, cache, last, taps)
-        cache = cache.commit(pending.astype(jnp.int32))
+        hidden, tapped, cache, saved = tgt.forward(target, cache, last, taps)
+        cache = tgt.replay(target, cache, saved, pending.astype(jnp.int32))
         step = stack_features(tapped, hidden)[:, 0].astype(jnp.float16)  # [B, n+1, H]
         feats = feats.at[jnp.arange(batch), jnp.where(pending, counts - 1, max_new_tokens)].set(step, mode="drop")
         recorded = jnp.where(pending, counts, recorded)

@@ -43,9 +43,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from dspine_jax import target as tgt
+from dspine_jax.drafter_config import build_target_layer_ids
+from dspine_jax.generate import generate
+from dspine_jax.hub import default_cache_dir
 from dspine_jax.target import load_target
+from dspine_jax.tokenizer import load_tokenizer
 
 DOMAINS = ("code", "math", "chat", "prose")
 HELDOUT_SEED = 20261129
@@ -73,7 +78,6 @@ def reasoning_gym_questions(task: str, size: int, seed: int) -> list[str]:
 
 
 def default_data_dir() -> Path:
-    from dspine_jax.hub import default_cache_dir
 
     return default_cache_dir() / "data"
 
@@ -234,11 +238,7 @@ def regenerate(
     longer prompt limit): its shards are ``gen/train_<tag>_*.json``; sequences are de-duplicated by
     prompt key when loaded. Held-out lists come from the same seeded shuffle, so a longer list is a
     superset of a shorter one (``load_heldout`` takes the longest per domain)."""
-    from tqdm import tqdm
 
-    from dspine_jax.generate import generate
-    from dspine_jax.target import load_target
-    from dspine_jax.tokenizer import load_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     prompts_path = out / (f"prompts_{tag}.json" if tag else "prompts.json")
@@ -361,7 +361,7 @@ def pack_rows(rows: list[dict], max_len: int, pad_id: int) -> tuple[np.ndarray, 
 @functools.partial(jax.jit, static_argnames=("taps",))
 def _features(target, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
     cache = tgt.init_cache(target, tokens.shape[0], tokens.shape[1])
-    hidden, tapped, _ = tgt.forward(target, cache, tokens, taps)
+    hidden, tapped, _, _ = tgt.forward(target, cache, tokens, taps)
     return stack_features(tapped, hidden)
 
 
@@ -471,7 +471,6 @@ def _corpus_features(
 ) -> tuple[list[dict], PackedFeatures, int]:
     """A corpus' rows, the target's pad id and their per-shard features, computing only shards without stored ones (those
     regenerated with capture have theirs already; ``corpus.regenerate_rows``)."""
-    from tqdm import tqdm
 
     plan = read_plan(data_dir)
     shards = shard_paths(data_dir)
@@ -499,7 +498,6 @@ def build_features(
     """Target features of every training row, packed (resumable: by shard for a corpus, by chunk for a
     first-generation dataset). Returns tokens ``[N, S]``, loss mask ``[N, S]`` and a
     :class:`PackedFeatures` ``[N, S, n+1, H]`` view."""
-    from tqdm import tqdm
 
     data_dir, taps = Path(data_dir), tuple(taps)
     corpus = (data_dir / PLAN_FILE).exists()
@@ -560,8 +558,6 @@ def main(argv: list[str] | None = None) -> None:
     rows = load_sequences(out)
     print(f"{len(rows)} training sequences, {sum(len(r['response_ids']) for r in rows)} response tokens in {out}")
     if args.features:
-        from dspine_jax.drafter_config import build_target_layer_ids
-        from dspine_jax.target import load_target
 
         n_layers = load_target(args.target).config.num_layers
         build_features(args.target, out, build_target_layer_ids(n_layers, 5), args.max_len)

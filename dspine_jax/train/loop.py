@@ -17,16 +17,19 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from jax import Array
+from tqdm import tqdm
 
-from dspine_jax.drafter import Drafter, _code, refine
+from dspine_jax.drafter import DFlash, Drafter, drafter_kind
 from dspine_jax.drafter_config import DrafterConfig, with_dspine_settings
+from dspine_jax.dspine import DSpine, head_rows
 from dspine_jax.train.losses import (
     alignment_terms,
     ce_terms,
@@ -35,7 +38,7 @@ from dspine_jax.train.losses import (
     refinement_terms,
     slot_weights,
 )
-from dspine_jax.train.model import block_ids, train_forward
+from dspine_jax.train.model import TrainForward, block_ids, train_forward
 
 
 @dataclasses.dataclass
@@ -59,21 +62,100 @@ class TrainConfig:
     alignment_warmup_steps: int | None = None  # None: the drafter config's
 
 
-# SpecForge's defaults: OnlineDSpineModel sets loss_decay_gamma = 7 when unset; the DFlash objective's
-# training.loss_decay_gamma defaults to None (no decay; its example recipes set 7 explicitly).
-REFERENCE_GAMMA: dict[str, float | None] = {"dspine": 7.0, "dflash": None}
+@dataclasses.dataclass(frozen=True)
+class KindTraining:
+    """What a drafter kind trains with beyond the block cross-entropy every kind shares.
+
+    ``reference_gamma``: the position decay γ of the reference recipe (SpecForge: OnlineDSpineModel sets 7
+    when unset; the DFlash objective's ``loss_decay_gamma`` defaults to None, no decay). ``schedule(step,
+    total, settings) → (β, replacement probability)`` and ``loss(terms) → (numerator, metrics)`` are the
+    kind's extra objective (None: the CE alone)."""
+
+    reference_gamma: float | None = None
+    schedule: Callable[[Array, int, dict], tuple[Array, Array]] | None = None
+    loss: Callable[[ObjectiveTerms], tuple[Array, dict[str, Array]]] | None = None
+
+
+class ObjectiveTerms(NamedTuple):
+    """What a kind's extra loss reads: the forward, the block CE terms and the batch."""
+
+    drafter: Drafter
+    fwd: TrainForward
+    labels: Array  # [B, A, T] real tokens of each block
+    source: Array  # [B, A, P] positions (clamped) of the supervised slots 1..T-1
+    logits: Array  # [B, A, P, V]
+    logp: Array  # [B, A, P, V]
+    ce: Array  # weighted CE sum
+    weights: Array  # [B, A, P]
+    supervised: Array  # [B, A, P] bool
+    count: Array
+    denominator: Array
+    beta: Array
+    teacher_hidden: Array  # [B, S, H]
+    lm_head: Array  # [H, V]
+
+
+def dspine_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
+    """The DSpine objective: ``ce_weight·CE + (1-ce_weight)·L1`` to the target distribution, the
+    last-write refinement loss over the detached top-K, and β-weighted cosine alignment (losses.py)."""
+    drafter, fwd, lab, weights = terms.drafter, terms.fwd, terms.labels[..., 1:], terms.weights
+    settings, kind = drafter.config.dspine_settings, drafter.kind
+    # Teacher: the target's distribution for the token at position p is read at position p-1.
+    b, a, p = terms.source.shape
+    idx = jnp.maximum(terms.source - 1, 0).reshape(b, a * p)
+    teacher_h = jnp.take_along_axis(terms.teacher_hidden, idx[..., None], axis=1).reshape(b, a, p, -1)
+    teacher = jax.lax.stop_gradient(
+        jax.nn.softmax(jnp.matmul(teacher_h, terms.lm_head, preferred_element_type=jnp.float32), axis=-1)
+    )
+    l1 = l1_terms(terms.logp, teacher, weights)
+    _, cand = jax.lax.top_k(jax.lax.stop_gradient(terms.logits), drafter.config.top_k)  # [B, A, P, K]
+    refined = kind.refine(drafter, fwd.pre_injection[:, :, 1:], terms.labels[..., :-1])  # true predecessors
+    scores = jnp.einsum(
+        "baph,bapkh->bapk", refined, head_rows(terms.lm_head, cand), preferred_element_type=jnp.float32
+    )
+    ce_weight = settings["ce_weight"]
+    refinement, covered = refinement_terms(
+        scores, cand, lab, teacher, weights, ce_weight, settings["candidate_mass_threshold"]
+    )
+    codes_lab = jax.lax.stop_gradient(kind.code(drafter, lab))
+    alignment = alignment_terms(fwd.layer_features[:, :, :, 1:], codes_lab, weights)
+    alignment_scale = terms.beta * jax.lax.stop_gradient(terms.ce / terms.denominator)
+    numerator = ce_weight * terms.ce + (1 - ce_weight) * l1 + refinement + alignment_scale * alignment
+    metrics = dict(
+        l1=l1 / terms.denominator,
+        refinement=refinement / terms.denominator,
+        alignment=alignment / terms.denominator,
+        coverage=jnp.sum(covered & terms.supervised) / terms.count,
+        beta=jnp.asarray(terms.beta, jnp.float32),
+    )
+    return numerator, metrics
+
+
+# Per kind class; a kind without an entry trains as its nearest registered base (a DFlash variant as DFlash).
+KIND_TRAINING: dict[type, KindTraining] = {
+    DFlash: KindTraining(reference_gamma=None),
+    DSpine: KindTraining(reference_gamma=7.0, schedule=dspine_schedule, loss=dspine_loss),
+}
+
+
+def kind_training(kind: str) -> KindTraining:
+    """The training recipe of the registered drafter kind ``kind`` (walks its class hierarchy)."""
+    for cls in type(drafter_kind(kind)).__mro__:
+        if cls in KIND_TRAINING:
+            return KIND_TRAINING[cls]
+    raise ValueError(f"drafter kind {kind!r} has no training recipe; register one in KIND_TRAINING")
 
 
 def loss_decay_gamma(kind: str, gamma: float | None) -> float | None:
     """The γ the objective applies for a ``kind`` drafter given ``TrainConfig.gamma`` (None = no decay)."""
     if gamma is None:
-        return REFERENCE_GAMMA[kind]
+        return kind_training(kind).reference_gamma
     return float(gamma) if gamma > 0 else None
 
 
 def training_drafter_config(config: DrafterConfig, cfg: TrainConfig) -> DrafterConfig:
     """The drafter config with the training knobs ``cfg`` overrides, so the export records what was used."""
-    if config.is_dspine and cfg.alignment_warmup_steps is not None:
+    if kind_training(config.kind).schedule is not None and cfg.alignment_warmup_steps is not None:
         return with_dspine_settings(config, alignment_warmup_steps=int(cfg.alignment_warmup_steps))
     return config
 
@@ -142,47 +224,18 @@ def objective(
     ce, logp = ce_terms(logits, lab, weights)
     correct = jnp.sum((jnp.argmax(logits, -1) == lab) & supervised)
     metrics = {"ce": ce / denominator, "acc": correct / count}
-    if not config.is_dspine:
+    extra_loss = kind_training(config.kind).loss
+    if extra_loss is None:
         metrics["loss"] = ce / denominator
         return ce / denominator, metrics
-
-    settings = config.dspine_settings
-    # Teacher: the target's distribution for the token at position p is read at position p-1.
-    th = batch["teacher_hidden"]
-    b, a, p = pos.shape
-    idx = jnp.maximum(safe - 1, 0).reshape(b, a * p)
-    teacher_h = jnp.take_along_axis(th, idx[..., None], axis=1).reshape(b, a, p, -1)
-    teacher = jax.lax.stop_gradient(
-        jax.nn.softmax(jnp.matmul(teacher_h, lm_head, preferred_element_type=jnp.float32), axis=-1)
-    )
-    l1 = l1_terms(logp, teacher, weights)
-    _, cand = jax.lax.top_k(jax.lax.stop_gradient(logits), config.top_k)  # [B, A, P, K]
-    refined = refine(drafter, fwd.pre_injection[:, :, 1:], labels[..., :-1])  # true predecessors
-    scores = jnp.einsum(
-        "baph,bapkh->bapk", refined, _head_rows_from(lm_head, cand), preferred_element_type=jnp.float32
-    )
-    ce_weight = settings["ce_weight"]
-    refinement, covered = refinement_terms(
-        scores, cand, lab, teacher, weights, ce_weight, settings["candidate_mass_threshold"]
-    )
-    codes_lab = jax.lax.stop_gradient(_code(drafter, lab))
-    alignment = alignment_terms(fwd.layer_features[:, :, :, 1:], codes_lab, weights)
-    alignment_scale = beta * jax.lax.stop_gradient(ce / denominator)
-    numerator = ce_weight * ce + (1 - ce_weight) * l1 + refinement + alignment_scale * alignment
+    terms = ObjectiveTerms(
+        drafter, fwd, labels, safe, logits, logp, ce, weights, supervised, count, denominator, beta,
+        batch["teacher_hidden"], lm_head,
+    )  # fmt: skip
+    numerator, extra = extra_loss(terms)
     loss = numerator / denominator
-    metrics.update(
-        loss=loss,
-        l1=l1 / denominator,
-        refinement=refinement / denominator,
-        alignment=alignment / denominator,
-        coverage=jnp.sum(covered & supervised) / count,
-        beta=jnp.asarray(beta, jnp.float32),
-    )
+    metrics.update(loss=loss, **extra)
     return loss, metrics
-
-
-def _head_rows_from(lm_head: Array, ids: Array) -> Array:
-    return jnp.moveaxis(jnp.take(lm_head, ids, axis=1), 0, -1)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -211,7 +264,8 @@ def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation)
     (trainable, opt_state, metrics)``; randomness from ``fold_in(key(seed), step)``. The DSpine schedule
     reads ``training_drafter_config(config, cfg)``: the settings the exported config records."""
     config = training_drafter_config(config, cfg)
-    settings = config.dspine_settings if config.is_dspine else {}
+    schedule = kind_training(config.kind).schedule
+    settings = config.dspine_settings if schedule is not None else {}
     gamma = loss_decay_gamma(config.kind, cfg.gamma)
 
     def step_fn(trainable, opt_state, codes, embed, lm_head, batch, step):
@@ -219,8 +273,8 @@ def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation)
         k_anchor, k_replace = jax.random.split(key)
         anchors, keep = sample_anchors(k_anchor, batch["loss_mask"], cfg.anchors)
         replace, beta = None, jnp.float32(0.0)
-        if config.is_dspine:
-            beta, probability = dspine_schedule(step, cfg.steps, settings)
+        if schedule is not None:
+            beta, probability = schedule(step, cfg.steps, settings)
             replace = (jax.random.uniform(k_replace, anchors.shape) < probability) & keep
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(
             trainable, codes, config, embed, lm_head, batch, anchors, keep, replace, beta, gamma
@@ -276,7 +330,6 @@ class Dataset:
 
 
 def _checkpoint_manager(out: Path, cfg: TrainConfig):
-    import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True)
     return ocp.CheckpointManager((out / "checkpoints").absolute(), options=options)
@@ -284,7 +337,6 @@ def _checkpoint_manager(out: Path, cfg: TrainConfig):
 
 def restore_state(out: Path, cfg: TrainConfig, state: dict, step: int | None = None) -> tuple[dict, int]:
     """Restore ``state`` (trainable, opt_state) from the latest (or given) orbax checkpoint."""
-    import orbax.checkpoint as ocp
 
     mngr = _checkpoint_manager(out, cfg)
     step = mngr.latest_step() if step is None else step
@@ -312,8 +364,6 @@ def train(
     """Train ``drafter`` for ``cfg.steps`` (or until ``stop_at``), checkpointing every
     ``cfg.checkpoint_every`` steps and at the end. Returns the trained drafter and per-step metrics
     (also appended to ``out/metrics.jsonl``)."""
-    import orbax.checkpoint as ocp
-    from tqdm import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

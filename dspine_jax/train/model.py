@@ -1,7 +1,7 @@
 """Training-mode drafter forward: many anchored blocks per sequence in one pass.
 
-Built on ``dspine_jax.drafter``'s building blocks (the same feature / code / write math the inference
-path runs), but shaped for training like SpecForge's ``OnlineDFlashModel`` / ``OnlineDSpineModel``:
+Runs the drafter kind's own ``forward_blocks`` (the code inference runs with ``A = 1``), shaped for
+training like SpecForge's ``OnlineDFlashModel`` / ``OnlineDSpineModel``:
 
 * Context: the target's tapped hidden states of the **whole** sequence ``[n, B, S, H]`` are fused once
   (``ctx = hidden_norm(fc(concat))``); every layer projects them to context K/V at positions ``0…S-1``.
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from dspine_jax.drafter import Drafter, _code, _feature, _write, fuse_context
-from dspine_jax.layers import MASK_VALUE, apply_rope, rms_norm, rope_cos_sin, swiglu
+from dspine_jax.drafter import Attend, Drafter, Replacement, context_kv, embed_block, fuse_context
+from dspine_jax.layers import MASK_VALUE, rope_cos_sin
 
 
 class TrainForward(NamedTuple):
@@ -68,6 +68,36 @@ def _attention(q: Array, ck: Array, cv: Array, bk: Array, bv: Array, ctx_visible
     return out.reshape(b, a, t, n, d)
 
 
+def sequence_attention(drafter: Drafter, ctx: Array, anchors: Array, positions: Array) -> Attend:
+    """Training attention: ``A`` blocks per row, each against the context keys of the whole sequence
+    ``ctx [B, S, H]`` before its anchor and against its own keys only (module doc)."""
+    config = drafter.config
+    b, s, _ = ctx.shape
+    a, t = positions.shape[1], positions.shape[2]
+    c_cos, c_sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(s), (b, s)), config.head_dim, config.rope_theta, ctx.dtype)
+    key_pos = jnp.arange(s)
+    before_anchor = jnp.broadcast_to(key_pos < anchors[:, :, None, None], (b, a, t, s))  # [B, A, T, S]
+    qo, ko = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+
+    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
+        window, causal = config.layer_windows[layer], config.layer_causal[layer]
+        ck, cv = context_kv(drafter, layer, ctx, c_cos, c_sin)  # [B, S, K, D]
+        ctx_visible, blk_visible = before_anchor, jnp.ones((t, t), bool)
+        if window:
+            ctx_visible = ctx_visible & (positions[..., None] - key_pos < window)
+        if causal or window:  # SpecForge's sliding mask makes in-block keys causal for windowed layers
+            blk_visible = blk_visible & (ko <= qo)
+        if window:
+            blk_visible = blk_visible & (qo - ko < window)
+        n, kh, d = q.shape[2], k.shape[2], q.shape[3]
+        out = _attention(
+            q.reshape(b, a, t, n, d), ck, cv, k.reshape(b, a, t, kh, d), v.reshape(b, a, t, kh, d), ctx_visible, blk_visible
+        )
+        return out.reshape(b, a * t, n, d)
+
+    return attend
+
+
 def train_forward(
     drafter: Drafter,
     embed: Array,
@@ -77,68 +107,21 @@ def train_forward(
     replace: Array | None = None,
     inject: bool = True,
 ) -> TrainForward:
-    """Training forward. ``embed [V, H]`` is the target's (frozen) input embedding, ``tapped [n, B, S, H]``
-    the target features of the whole sequence, ``tokens [B, S]``, ``anchors [B, A]`` (positions ≤ S-2),
-    ``replace [B, A]`` bool or None (predecessor replacement, DSpine only)."""
-    config, params = drafter.config, drafter.params
-    t = config.block_size
-    b, s = tokens.shape
-    eps, n, kh, d = config.rms_norm_eps, config.num_heads, config.num_kv_heads, config.head_dim
-    labels, positions = block_ids(tokens, anchors, t)  # [B, A, T]
-    a = anchors.shape[1]
-
+    """Training forward through the kind's own ``forward_blocks`` (the one inference runs). ``embed [V, H]``
+    is the target's (frozen) input embedding, ``tapped [n, B, S, H]`` the target features of the whole
+    sequence, ``tokens [B, S]``, ``anchors [B, A]`` (positions ≤ S-2), ``replace [B, A]`` bool or None
+    (predecessor replacement in the kind's ``replacement_layers``; kinds without injection ignore it)."""
+    config = drafter.config
+    b = tokens.shape[0]
+    labels, positions = block_ids(tokens, anchors, config.block_size)  # [B, A, T]
+    a, t = anchors.shape[1], config.block_size
     ctx = fuse_context(drafter, tapped)  # [B, S, H]
-    ctx_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
-    c_cos, c_sin = rope_cos_sin(ctx_pos, d, config.rope_theta, ctx.dtype)
-    b_cos, b_sin = rope_cos_sin(positions.reshape(b, a * t), d, config.rope_theta, ctx.dtype)
-
+    cos, sin = rope_cos_sin(positions.reshape(b, a * t), config.head_dim, config.rope_theta, ctx.dtype)
     block = jnp.full((b, a, t), config.mask_token_id, jnp.int32).at[:, :, 0].set(labels[:, :, 0])
-    x = embed[block].astype(drafter.dtype)  # [B, A, T, H]
-    if config.input_embedding_scale != 1.0:
-        x = x * config.input_embedding_scale
-
-    key_pos = jnp.arange(s)
-    use_injection = inject and config.is_dspine
-    inj, rank = params.injection, config.transfer_rank
-    replacement_layers = int(config.dspine_settings.get("replacement_layers", 0)) if config.is_dspine else 0
-    if use_injection:
-        anchor_codes = _code(drafter, labels[:, :, 0])[:, :, None, :]  # [B, A, 1, R]
-        true_codes = _code(drafter, labels[:, :, :-1])  # [B, A, P, R]
-    features_all = []
-    pre = x
-    for layer in range(config.num_layers):
-        lp = params.layers[layer]
-        window, causal = config.layer_windows[layer], config.layer_causal[layer]
-        # context K/V at positions 0..S-1 (ctx does not pass through input_layernorm)
-        ck = apply_rope(rms_norm((ctx @ lp.k).reshape(b, s, kh, d), lp.k_norm, eps), c_cos, c_sin)
-        cv = (ctx @ lp.v).reshape(b, s, kh, d)
-        normed = rms_norm(x, lp.input_norm, eps).reshape(b, a * t, -1)
-        q = apply_rope(rms_norm((normed @ lp.q).reshape(b, a * t, n, d), lp.q_norm, eps), b_cos, b_sin)
-        k = apply_rope(rms_norm((normed @ lp.k).reshape(b, a * t, kh, d), lp.k_norm, eps), b_cos, b_sin)
-        v = (normed @ lp.v).reshape(b, a * t, kh, d)
-        ctx_vis = key_pos[None, None, None, :] < anchors[:, :, None, None]  # [B, A, 1, S]
-        ctx_vis = jnp.broadcast_to(ctx_vis, (b, a, t, s))
-        if window:
-            ctx_vis = ctx_vis & (positions[..., None] - key_pos < window)
-        qo, ko = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-        blk_vis = jnp.ones((t, t), bool)
-        if causal or window:
-            blk_vis = blk_vis & (ko <= qo)
-        if window:
-            blk_vis = blk_vis & (qo - ko < window)
-        attn = _attention(
-            q.reshape(b, a, t, n, d), ck, cv, k.reshape(b, a, t, kh, d), v.reshape(b, a, t, kh, d), ctx_vis, blk_vis
-        )
-        x = x + attn.reshape(b, a, t, n * d) @ lp.o
-        x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
-        pre = x
-        if use_injection:
-            feats = _feature(x, inj.readouts[layer], rank)  # [B, A, T, R]
-            predecessors = jnp.concatenate([anchor_codes, feats[:, :, 1:-1]], axis=2)  # [B, A, P, R]
-            if replace is not None and layer < replacement_layers:
-                predecessors = jnp.where(replace[:, :, None, None], true_codes, predecessors)
-            successors = _write(inj, layer, x[:, :, 1:], feats[:, :, 1:] @ inj.receiver_gate, predecessors)
-            x = jnp.concatenate([x[:, :, :1], successors], axis=2)
-            features_all.append(_feature(x, inj.readouts[layer], rank))
-    hidden = rms_norm(x, params.norm, eps)
-    return TrainForward(hidden, pre, jnp.stack(features_all) if features_all else None)
+    x = embed_block(drafter, embed, block)  # [B, A, T, H]
+    replacement = None if replace is None else drafter.kind.replacement(drafter, replace, labels)
+    fwd = drafter.kind.forward_blocks(
+        drafter, x, cos, sin, sequence_attention(drafter, ctx, anchors, positions), labels[:, :, 0],
+        inject=inject, replacement=replacement, collect_features=inject,
+    )  # fmt: skip
+    return TrainForward(fwd.hidden, fwd.pre_injection, fwd.features)

@@ -53,7 +53,7 @@ class LWRWeights(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------------
-# Reference (pure jnp; the same ops as drafter._write + rms_norm + the scoring einsum)
+# Reference (pure jnp; the same ops as DSpine.write + rms_norm + the scoring einsum)
 
 
 def transition_scores_reference(
