@@ -2,15 +2,19 @@
 
 import warnings
 
-# The package exports the function ``generate`` and also ships the CLI module ``dspine_jax.generate``;
-# ``python -m dspine_jax.generate`` therefore finds the module already imported, which is harmless.
+# The package exports the function ``generate`` and also ships the CLI module ``dspine_jax.generate``. The
+# CLI module is imported first so that the name ends up bound to the function (a later ``import
+# dspine_jax.generate`` finds the module loaded and leaves the attribute alone); ``python -m
+# dspine_jax.generate`` therefore finds the module already imported, which is harmless.
 warnings.filterwarnings("ignore", message=r".*found in sys\.modules after import of package.*", category=RuntimeWarning)
 
-from dspine_jax.drafter_io import init_drafter, load_drafter, save_drafter
-from dspine_jax.generate import GenerationResult, generate
-from dspine_jax.speculative import SpeculativeResult, speculative_generate
-from dspine_jax.target import Target, load_target
-from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax import generate as _generate_cli  # noqa: F401, I001  (before the function of the same name)
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.planning import GenerationResult
+from dspine_jax.decoding.speculative import SpeculativeResult, speculative_generate
+from dspine_jax.drafters.io import init_drafter, load_drafter, save_drafter
+from dspine_jax.models.target import Target, load_target
+from dspine_jax.models.tokenizer import load_tokenizer
 
 __all__ = [
     "GenerationResult",

@@ -36,12 +36,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspine_jax.drafter_io import load_draft
-from dspine_jax.generate import encode_prompt, generate
-from dspine_jax.hub import resolve_model_dir
-from dspine_jax.speculative import speculative_generate
-from dspine_jax.target import load_target
-from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.speculative import speculative_generate
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models.hub import resolve_model_dir
+from dspine_jax.models.target import load_target
+from dspine_jax.models.tokenizer import encode_prompt, load_tokenizer
 from dspine_jax.train.data import DOMAINS, default_data_dir, encode_messages, load_heldout
 
 DEFAULT_PROMPTS = [

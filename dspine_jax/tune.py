@@ -34,11 +34,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspine_jax.drafter_io import load_draft
-from dspine_jax.generate import generate
-from dspine_jax.speculative import DrafterProposer, Proposer, as_proposer, speculative_generate
-from dspine_jax.target import Target, load_target
-from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.speculative import DrafterProposer, Proposer, as_proposer, speculative_generate
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models.target import Target, load_target
+from dspine_jax.models.tokenizer import load_tokenizer
 
 
 def read_prompts(path: str | os.PathLike, tokenizer_source: str | None = None, chat: bool = False) -> list[list[int]]:

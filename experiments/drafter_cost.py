@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import jax.numpy as jnp
 
-from dspine_jax import drafter as D
-from dspine_jax import dspine
-from dspine_jax.family import target_config_from_dict
-from dspine_jax.drafter_config import drafter_config_from_dict
-from dspine_jax.dense import DenseParams
-from dspine_jax.target import Target
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters import dspine
+from dspine_jax.drafters.config import drafter_config_from_dict
+from dspine_jax.models.dense import DenseParams
+from dspine_jax.models.family import target_config_from_dict
+from dspine_jax.models.target import Target
 
 
 def sds(shape: tuple[int, ...], dtype=jnp.float32) -> jax.ShapeDtypeStruct:

@@ -30,10 +30,11 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dspine_jax.drafter_io import load_drafter  # noqa: E402
-from dspine_jax.generate import enable_compilation_cache, generate  # noqa: E402
-from dspine_jax.speculative import speculative_generate  # noqa: E402
-from dspine_jax.target import load_target  # noqa: E402
+from dspine_jax.decoding.autoregressive import generate  # noqa: E402
+from dspine_jax.decoding.planning import enable_compilation_cache
+from dspine_jax.decoding.speculative import speculative_generate  # noqa: E402
+from dspine_jax.drafters.io import load_drafter  # noqa: E402
+from dspine_jax.models.target import load_target  # noqa: E402
 from dspine_jax.train.__main__ import main as train_main  # noqa: E402
 from dspine_jax.train.data import DOMAINS, load_heldout  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python experiments/replay_memory.py [--block 16] [--dtype-bytes 2]
 
-The per-token record is what ``dspine_jax.gdn.GdnReplay`` stores (conv inputs, k, v in the model
+The per-token record is what ``dspine_jax.models.gdn.GdnReplay`` stores (conv inputs, k, v in the model
 dtype; g in fp32; β in the model dtype); the snapshot is what a design that keeps the GDN cache
 entry after every block position would store (fp32 recurrent state + fp32 conv window, as in
 ``cache.HybridCache``).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from dspine_jax.config import hybrid_config_from_dict
+from dspine_jax.models.config import hybrid_config_from_dict
 
 # Qwen3.5-27B-like text config (the published 27B's GDN shapes as we understand them: 64 layers,
 # every 4th one full attention → 48 GDN layers; 16 key heads, 48 value heads, 128-dim heads).

@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import jax.numpy as jnp
 
-from dspine_jax import target as tgt
-from dspine_jax.drafter import append_context, draft, init_draft_cache
-from dspine_jax.drafter_io import init_drafter
-from dspine_jax.generate import generate
-from dspine_jax.speculative import OracleProposer, speculative_generate
-from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.speculative import OracleProposer, speculative_generate
+from dspine_jax.drafters.drafter import append_context, draft, init_draft_cache
+from dspine_jax.drafters.io import init_drafter
+from dspine_jax.models import target as tgt
+from dspine_jax.models.tokenizer import load_tokenizer
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Write a Python function that checks whether a number is prime, and explain how it works."

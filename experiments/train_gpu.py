@@ -28,10 +28,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
 
-from dspine_jax.speculative import speculative_generate  # noqa: E402
-from dspine_jax.drafter_io import load_drafter  # noqa: E402
-from dspine_jax.target import load_target  # noqa: E402
-from dspine_jax.tokenizer import load_tokenizer  # noqa: E402
+from dspine_jax.decoding.speculative import speculative_generate  # noqa: E402
+from dspine_jax.drafters.io import load_drafter  # noqa: E402
+from dspine_jax.models.target import load_target  # noqa: E402
+from dspine_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from dspine_jax.train import __main__ as train_cli  # noqa: E402
 from dspine_jax.train import corpus  # noqa: E402
 from dspine_jax.train.data import DOMAINS, PLAN_FILE, encode_messages, load_heldout, read_plan  # noqa: E402

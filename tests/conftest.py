@@ -93,7 +93,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def qwen3_target(tiny_models):
     """The tiny Qwen3 model as (our Target, the HF torch model)."""
-    from dspine_jax.target import load_target
+    from dspine_jax.models.target import load_target
 
     model_dir, hf_model = tiny_models["qwen3"]
     return load_target(model_dir), hf_model

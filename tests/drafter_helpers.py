@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspine_jax import drafter as D
-from dspine_jax.target import Target, init_cache
-from dspine_jax.target import forward as target_forward
+from dspine_jax.drafters import drafter as D
+from dspine_jax.models.target import Target, init_cache
+from dspine_jax.models.target import forward as target_forward
 
 append = jax.jit(D.append_context)
 forward = jax.jit(D.forward, static_argnames="inject")

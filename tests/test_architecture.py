@@ -16,12 +16,13 @@ import pytest
 from flax import struct
 
 import dspine_jax as dj
-from dspine_jax import dense
-from dspine_jax import target as tgt
-from dspine_jax.config import TargetConfig, UnsupportedModelError
-from dspine_jax.drafter import DFlash, Replacement
-from dspine_jax.drafter_config import drafter_kind, register_drafter_kind, unregister_drafter_kind
-from dspine_jax.family import TargetFamily, TargetForward, family_for, register_family, unregister_family
+from dspine_jax.drafters.config import drafter_kind, register_drafter_kind, unregister_drafter_kind
+from dspine_jax.drafters.drafter import DFlash, Replacement
+from dspine_jax.models import dense
+from dspine_jax.models import target as tgt
+from dspine_jax.models.config import TargetConfig, UnsupportedModelError
+from dspine_jax.models.family import TargetFamily, TargetForward, family_for, register_family, unregister_family
+from dspine_jax.train.loop import KIND_TRAINING, TrainConfig, eval_loss, kind_training, split_params
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dspine_jax", "kernels")
@@ -110,9 +111,9 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_walk_sees_the_package():
     edges, _ = _graph()
-    assert {"dspine_jax.speculative", "dspine_jax.dense", "dspine_jax.dspine", "kernels.pallas.dispatch"} <= set(edges)
-    assert "dspine_jax.planning" in edges["dspine_jax.speculative"]  # `from dspine_jax.planning import …`
-    assert "dspine_jax.target" in edges["dspine_jax.serve.engine"]  # `from dspine_jax import target as tgt`
+    assert {"dspine_jax.decoding.speculative", "dspine_jax.models.dense", "dspine_jax.drafters.dspine", "kernels.pallas.dispatch"} <= set(edges)
+    assert "dspine_jax.decoding.planning" in edges["dspine_jax.decoding.speculative"]  # `from dspine_jax.decoding.planning import …`
+    assert "dspine_jax.models.target" in edges["dspine_jax.serve.engine"]  # `from dspine_jax import target as tgt`
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -263,6 +264,27 @@ def test_toy_family_and_toy_drafter_kind_run_speculative_generate_greedy_exact(t
     assert EchoAnchor.seen_layers[:2] == [0, 1]  # the kind's own hook ran inside the drafter forward
     # Rows accepted different amounts at some point, so the toy replay really kept prefixes.
     assert min(min(r) for r in result.acceptance_lengths) < 5
+
+
+def test_toy_drafter_kind_trains_through_its_own_hook(toy_extensions):
+    """A kind registered from outside trains with no training code of its own: the recipe of its nearest
+    registered base (DFlash's CE), and the training forward runs the kind's ``after_layer``."""
+    target = _toy_target()
+    drafter = dj.init_drafter(target, kind="toy_echo", num_layers=2, intermediate_size=16, block_size=4,
+                              target_layer_ids=(0, 1), mask_token_id=TOY_VOCAB - 1, seed=1)  # fmt: skip
+    assert kind_training("toy_echo") is KIND_TRAINING[DFlash]
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, TOY_VOCAB - 1)
+    cache = tgt.init_cache(target, 2, 12)
+    hidden, tapped, _, _ = tgt.forward(target, cache, tokens, drafter.config.target_layer_ids)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones((2, 12), bool), "tapped": tapped, "teacher_hidden": hidden}
+    trainable, codes = split_params(drafter)
+    EchoAnchor.seen_layers = []
+    loss = eval_loss(drafter.config, TrainConfig(anchors=3), trainable, codes, target.params.embed,
+                     target.params.lm_head, batch)[0]  # fmt: skip
+    assert np.isfinite(float(loss)) and EchoAnchor.seen_layers == [0, 1]
+    grads = jax.grad(lambda p: eval_loss(drafter.config, TrainConfig(anchors=3), p, codes, target.params.embed,
+                                         target.params.lm_head, batch)[0])(trainable)  # fmt: skip
+    assert float(jnp.abs(grads.layers[0].q).sum()) > 0  # the loss reaches the kind's backbone
 
 
 def test_toy_replay_is_exercised(toy_extensions):

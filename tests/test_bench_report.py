@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import make_tiny_hf_model
 
 from dspine_jax import bench

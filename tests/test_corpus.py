@@ -11,11 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspine_jax.drafter_config import build_target_layer_ids
-from dspine_jax.target import load_target
+from dspine_jax.drafters.config import build_target_layer_ids
+from dspine_jax.models.target import load_target
 from dspine_jax.train import corpus
 from dspine_jax.train.data import (
-    DOMAINS, PLAN_FILE, PackedFeatures, build_features, load_heldout, load_sequences, read_plan, target_features,
+    DOMAINS,
+    PLAN_FILE,
+    PackedFeatures,
+    build_features,
+    load_heldout,
+    load_sequences,
+    read_plan,
+    target_features,
 )  # fmt: skip
 
 COMMITTED = Path(__file__).resolve().parents[1] / "experiments" / "data" / "smollm2-v2"
@@ -158,7 +165,7 @@ def test_committed_corpus_is_disjoint_from_heldout():
 
 @pytest.mark.slow
 def test_regeneration_resumes_by_row_with_another_batch_size(tiny_models, tmp_path, monkeypatch):
-    from dspine_jax.generate import generate
+    from dspine_jax.decoding.autoregressive import generate
 
     monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path / "cache"))
     target = load_target(tiny_models["llama"][0])
@@ -191,7 +198,7 @@ def test_regeneration_resumes_by_row_with_another_batch_size(tiny_models, tmp_pa
 def test_captured_features_and_tokens_equal_generate_and_the_forward_pass(tiny_models, tmp_path, monkeypatch):
     """The capturing regeneration decodes exactly what ``generate`` decodes (tokens, stops, finish
     reasons) and keeps the features a separate forward pass over prompt+response computes."""
-    from dspine_jax.generate import generate
+    from dspine_jax.decoding.autoregressive import generate
 
     monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path / "cache"))
     target = load_target(tiny_models["llama"][0])

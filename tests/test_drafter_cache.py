@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from drafter_helpers import append, block_logits, tapped_features
 
-from dspine_jax import drafter as D
-from dspine_jax.drafter_io import init_drafter
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters.io import init_drafter
 
 BLOCK = 4
 TAPS = [0, 1]

@@ -15,8 +15,9 @@ import pytest
 from conftest import require
 from drafter_helpers import append, block_logits, tapped_features
 
-from dspine_jax import drafter as D
-from dspine_jax.drafter_io import load_drafter
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters.io import load_drafter
 
 torch = require("torch")
 dflash_model = require("dflash.model")
@@ -151,12 +152,12 @@ def zlab_drafter_round(qwen3_target, tmp_path_factory):
     return target, drafter, cache, jnp.array([anchor], jnp.int32), block_logits(drafter, target, cache, [anchor])[0]
 
 
-draft = jax.jit(D.draft, static_argnames="top_k")
+draft = jax.jit(D.draft)
 
 
 def test_dflash_greedy_draft_is_the_argmax(zlab_drafter_round):
     target, drafter, cache, anchor, logits = zlab_drafter_round
-    greedy = draft(drafter, target, cache, anchor, jax.random.PRNGKey(0), jnp.float32(0.0))
+    greedy = draft(drafter, target, cache, anchor, jax.random.split(jax.random.key(0), 1), Sampling.rows(1))
     np.testing.assert_array_equal(np.asarray(greedy.tokens)[0], logits.argmax(-1))
     assert greedy.q.shape == (1, BLOCK - 1, 128)  # DFlash: C = V, candidates = the vocabulary
     np.testing.assert_array_equal(np.asarray(greedy.q)[0], np.eye(128)[logits.argmax(-1)])
@@ -167,7 +168,7 @@ def test_dflash_draft_distribution_is_zlabs(zlab_drafter_round, temperature, top
     """z-lab's ``dflash_generate`` draws the proposals from ``_sampling_probs(draft_logits, temperature,
     top_p, top_k)`` — the target's own transform — so q has p's filters: top-k / top-p support only."""
     target, drafter, cache, anchor, logits = zlab_drafter_round
-    out = draft(drafter, target, cache, anchor, jax.random.PRNGKey(1), jnp.float32(temperature), top_p, top_k)
+    out = draft(drafter, target, cache, anchor, jax.random.split(jax.random.key(1), 1), Sampling.rows(1, temperature, top_p, top_k))
     zlab_q = dflash_model._sampling_probs(torch.tensor(logits), temperature, top_p, top_k).numpy()
     q = np.asarray(D.q_full(out, 128))[0]
     np.testing.assert_allclose(q, zlab_q, atol=1e-6)

@@ -13,9 +13,10 @@ import pytest
 from conftest import require
 from drafter_helpers import append, forward, tapped_features, with_random_injection
 
-from dspine_jax import drafter as D
-from dspine_jax.dspine import SPINE, transfer_codes_from_head
-from dspine_jax.drafter_io import init_drafter
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters.dspine import SPINE, transfer_codes_from_head
+from dspine_jax.drafters.io import init_drafter
 
 BLOCK = 5
 TAPS = [0, 1]
@@ -80,11 +81,12 @@ def trained_dspine(qwen3_target):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_cached_walk_equals_sequential_refinement(trained_dspine, temperature):
     target, drafter, cache, anchor = trained_dspine
-    key = jax.random.PRNGKey(42)
-    out = jax.jit(D.draft)(drafter, target, cache, anchor, key, jnp.float32(temperature))
+    keys = jax.random.split(jax.random.key(42), 3)
+    sampling = Sampling.rows(3, temperature)
+    out = jax.jit(D.draft)(drafter, target, cache, anchor, keys, sampling)
     fwd = forward(drafter, target, cache, D.block_tokens(drafter, anchor))
     seq_tokens, seq_q = jax.jit(SPINE.walk_sequential)(
-        drafter, target, fwd.pre_injection[:, 1:], out.cand_ids, anchor, key, jnp.float32(temperature)
+        drafter, target, fwd.pre_injection[:, 1:], out.cand_ids, anchor, keys, sampling.temperature
     )
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(seq_tokens))
     np.testing.assert_allclose(np.asarray(out.q), np.asarray(seq_q), atol=1e-6, rtol=1e-6)
@@ -110,8 +112,9 @@ def test_walk_depends_on_predecessor_and_sampling_is_seeded(trained_dspine):
     )  # slot 1: all rows = anchor
     assert np.abs(table[:, 1:] - table[:, 1:, :1]).max() > 1e-3
     step = jax.jit(D.draft)
-    a = step(drafter, target, cache, anchor, jax.random.PRNGKey(1), jnp.float32(1.0))
-    b = step(drafter, target, cache, anchor, jax.random.PRNGKey(1), jnp.float32(1.0))
+    keys = jax.random.split(jax.random.key(1), 3)
+    a = step(drafter, target, cache, anchor, keys, Sampling.rows(3, 1.0))
+    b = step(drafter, target, cache, anchor, keys, Sampling.rows(3, 1.0))
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
 
 

@@ -13,9 +13,10 @@ import numpy as np
 from conftest import require
 from drafter_helpers import append, forward, tapped_features
 
-from dspine_jax import drafter as D
-from dspine_jax.dspine import SPINE
-from dspine_jax.drafter_io import load_drafter
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters.dspine import SPINE
+from dspine_jax.drafters.io import load_drafter
 
 torch = require("torch")
 dflash_model = require("dflash.model")
@@ -114,7 +115,7 @@ def test_forward_table_and_walk_match_specforge_semantics(qwen3_target, tmp_path
     fwd = forward(drafter, target, cache, D.block_tokens(drafter, jnp.array([anchor])))
     np.testing.assert_allclose(np.asarray(fwd.hidden), ref_hidden.numpy(), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(fwd.pre_injection), pre.numpy(), atol=1e-4, rtol=1e-4)
-    out = jax.jit(D.draft)(drafter, target, cache, jnp.array([anchor]), jax.random.PRNGKey(0), jnp.float32(0.0))
+    out = jax.jit(D.draft)(drafter, target, cache, jnp.array([anchor]), jax.random.split(jax.random.key(0), 1), Sampling.rows(1))
     np.testing.assert_array_equal(np.asarray(out.cand_ids), cand.numpy())
     table = SPINE.transition_table(drafter, target, fwd.pre_injection[:, 1:], out.cand_ids, jnp.array([anchor]))
     np.testing.assert_allclose(np.asarray(table), ref_table.numpy(), atol=2e-4, rtol=1e-4)

@@ -12,12 +12,13 @@ import pytest
 from conftest import require
 from safetensors.numpy import load_file, save_file
 
-from dspine_jax import drafter as D
-from dspine_jax.dspine import transfer_codes_from_head
-from dspine_jax.drafter_config import DrafterConfigError, build_target_layer_ids, drafter_config_from_dict
-from dspine_jax.drafter_io import copy_target_layers, init_drafter, load_drafter, save_drafter
-from dspine_jax.target import load_target
-from dspine_jax.weights import CheckpointError
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters.config import DrafterConfigError, build_target_layer_ids, drafter_config_from_dict
+from dspine_jax.drafters.dspine import transfer_codes_from_head
+from dspine_jax.drafters.io import copy_target_layers, init_drafter, load_drafter, save_drafter
+from dspine_jax.models.target import load_target
+from dspine_jax.models.weights import CheckpointError
 
 TAPS = [0, 1]
 
@@ -198,7 +199,7 @@ class FakeTokenizer:
 
 def test_mask_token_is_dedicated_and_a_checkpoints_own_is_kept(target, dspine_dir):
     """New drafters get a token the target never reads in text (tiny target: pad 0, BOS 1, EOS 2, V 128)."""
-    from dspine_jax.drafter_io import default_mask_token_id
+    from dspine_jax.drafters.io import default_mask_token_id
 
     specials = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>", 3: "<file_sep>", 4: "<turn>", 5: "<empty>"}
     template = "{{ '<|im_start|>' + m['content'] + '<turn>' + '<|im_end|>' }}"
@@ -259,12 +260,9 @@ def test_one_jitted_draft_call_for_block_16(target):
         target_layer_ids=TAPS,
     )
     cache = D.init_draft_cache(drafter, 2, 64)
-    lowered = jax.jit(D.draft).lower(
-        drafter, target, cache, jnp.zeros((2,), jnp.int32), jax.random.PRNGKey(0), jnp.float32(0.0)
-    )
-    shapes = jax.eval_shape(
-        D.draft, drafter, target, cache, jnp.zeros((2,), jnp.int32), jax.random.PRNGKey(0), jnp.float32(0.0)
-    )
+    args = (drafter, target, cache, jnp.zeros((2,), jnp.int32), jax.random.split(jax.random.key(0), 2), Sampling.rows(2))
+    lowered = jax.jit(D.draft).lower(*args)
+    shapes = jax.eval_shape(D.draft, *args)
     assert shapes.tokens.shape == (2, 15) and shapes.cand_ids.shape == (2, 15, 16) and shapes.q.shape == (2, 15, 16)
     assert "stablehlo.while" in lowered.as_text()  # the walk is a scan, not 15 unrolled steps
 

@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from dspine_jax import generate, load_target
-from dspine_jax.config import UnsupportedModelError
-from dspine_jax.weights import CheckpointError
+from dspine_jax.models.config import UnsupportedModelError
+from dspine_jax.models.weights import CheckpointError
 
 
 def test_unknown_path_or_alias():
@@ -96,15 +96,15 @@ def cli_without_loading(monkeypatch):
     """``python -m dspine_jax.generate``'s main with every loader stubbed to raise ``_Loaded``."""
     import importlib
 
-    import dspine_jax.hub
-    import dspine_jax.target
-    import dspine_jax.tokenizer
+    import dspine_jax.models.hub
+    import dspine_jax.models.target
+    import dspine_jax.models.tokenizer
 
     def loaded(*args, **kwargs):
         raise _Loaded
 
-    for module, name in [(dspine_jax.target, "load_target"), (dspine_jax.tokenizer, "load_tokenizer"),
-                         (dspine_jax.hub, "resolve_model_dir")]:
+    for module, name in [(dspine_jax.models.target, "load_target"), (dspine_jax.models.tokenizer, "load_tokenizer"),
+                         (dspine_jax.models.hub, "resolve_model_dir")]:
         monkeypatch.setattr(module, name, loaded)
     cli = importlib.import_module("dspine_jax.generate")
     monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)  # keep this process's JAX config
@@ -159,12 +159,12 @@ def test_cli_accepts_good_arguments_then_loads(cli_without_loading, monkeypatch)
 
 
 def test_cli_names_a_missing_package_in_one_line(cli_without_loading, monkeypatch, capsys):
-    import dspine_jax.target
+    import dspine_jax.models.target
 
     def missing(*args, **kwargs):
         raise ImportError("apply_chat_template requires jinja2 to be installed")
 
-    monkeypatch.setattr(dspine_jax.target, "load_target", missing)
+    monkeypatch.setattr(dspine_jax.models.target, "load_target", missing)
     with pytest.raises(SystemExit) as exit_info:
         cli_without_loading()
     err = capsys.readouterr().err

@@ -12,8 +12,9 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dspine_jax import generate, init_drafter, load_target, planning, speculative_generate
-from dspine_jax.generate import max_new_tokens_cap
+from dspine_jax import generate, init_drafter, load_target, speculative_generate
+from dspine_jax.decoding import planning
+from dspine_jax.decoding.planning import max_new_tokens_cap
 
 cli = importlib.import_module("dspine_jax.generate")  # the module (the package attribute is the function)
 
@@ -144,13 +145,13 @@ def test_cli_caps_max_new_tokens_and_reports_compile_time(tiny_models, tmp_path,
     import json
     import shutil
 
-    import dspine_jax.tokenizer
+    import dspine_jax.models.tokenizer
 
     model_dir = tmp_path / "short"
     shutil.copytree(tiny_models["llama"][0], model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
-    monkeypatch.setattr(dspine_jax.tokenizer, "load_tokenizer", lambda path: _FakeTokenizer())
+    monkeypatch.setattr(dspine_jax.models.tokenizer, "load_tokenizer", lambda path: _FakeTokenizer())
     monkeypatch.setattr(cli, "enable_compilation_cache", lambda: None)  # keep this process's JAX config
     cli.main(["--model", str(model_dir), "--prompt", "ten chars!", "--max-new-tokens", "100000", "--json"])
     out, err = capsys.readouterr()

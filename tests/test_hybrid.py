@@ -13,14 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import require
 
-from dspine_jax import target as tgt
-from dspine_jax.cache import HybridCache
-from dspine_jax.config import HybridConfig, UnsupportedModelError
-from dspine_jax.family import target_config_from_dict
-from dspine_jax.weights import load_safetensors_dir, save_safetensors
+from dspine_jax.models import target as tgt
+from dspine_jax.models.cache import HybridCache
+from dspine_jax.models.config import HybridConfig, UnsupportedModelError
+from dspine_jax.models.family import target_config_from_dict
+from dspine_jax.models.weights import load_safetensors_dir, save_safetensors
 
 HYBRID_COMMON = dict(
     vocab_size=128,
@@ -351,8 +350,8 @@ def test_greedy_local_loop_matches_hf(hybrid_models):
 
 
 def test_generate_matches_hf_greedy(hybrid_models):
-    """``dspine_jax.generate.generate`` on a hybrid target (rows of different prompt lengths)."""
-    generate_mod = require("dspine_jax.generate")
+    """``dspine_jax.decoding.autoregressive.generate`` on a hybrid target (rows of different prompt lengths)."""
+    generate_mod = require("dspine_jax.decoding.autoregressive")
     model_dir, model = hybrid_models["qwen3_next"]
     target = tgt.load_target(model_dir)
     rng = np.random.default_rng(5)

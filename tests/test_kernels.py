@@ -20,9 +20,10 @@ import pytest
 from drafter_helpers import with_random_injection
 from jax.experimental import pallas as pl
 
-from dspine_jax import drafter as D
-from dspine_jax.dspine import SPINE
-from dspine_jax.layers import MASK_VALUE
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters.dspine import SPINE
+from dspine_jax.models.layers import MASK_VALUE
 from kernels.pallas import dispatch
 from kernels.pallas import draft_attention as DA
 from kernels.pallas import transition_cache as TC
@@ -299,9 +300,9 @@ def test_kernels_lower_for_tpu_and_gpu():
 def drafters(tiny_models):
     """A windowed DSpine drafter with trained (non-zero) injection weights whose ring wraps, and an
     unwindowed bidirectional DFlash drafter, each with a ragged context cache (a row of length 0)."""
-    from dspine_jax.drafter_io import init_drafter
-    from dspine_jax.target import forward as target_forward
-    from dspine_jax.target import init_cache, load_target
+    from dspine_jax.drafters.io import init_drafter
+    from dspine_jax.models.target import forward as target_forward
+    from dspine_jax.models.target import init_cache, load_target
 
     target = load_target(tiny_models["qwen3"][0])
     dspine = init_drafter(
@@ -313,7 +314,7 @@ def drafters(tiny_models):
         target, kind="dflash", num_layers=1, block_size=4, target_layer_ids=(0, 1), initializer_range=0.2, seed=6
     )
     seq = np.random.RandomState(8).randint(3, 128, size=(3, 12))
-    _, tapped, _ = target_forward(target, init_cache(target, 3, 32), jnp.asarray(seq), (0, 1))
+    _, tapped, _, _ = target_forward(target, init_cache(target, 3, 32), jnp.asarray(seq), (0, 1))
     lengths = jnp.array([12, 7, 0])
     out = []
     for drafter in (dspine, dflash):
@@ -326,13 +327,13 @@ def test_draft_identical_with_interpret_forced(drafters):
     """``draft`` (attention kernel in every layer; DSpine also the transition kernel) gives the same
     candidates, proposals and q with the dispatcher forced to interpret as with the reference."""
     target, pairs = drafters
-    anchor, key = jnp.array([4, 50, 99], jnp.int32), jax.random.PRNGKey(3)
+    anchor, keys = jnp.array([4, 50, 99], jnp.int32), jax.random.split(jax.random.key(3), 3)
     for drafter, cache in pairs:
         results = {}
         for mode in ("reference", "interpret"):
             with dispatch.force(mode):  # clears JAX's caches: the jitted draft retraces per mode
                 step = jax.jit(D.draft)
-                results[mode] = [step(drafter, target, cache, anchor, key, jnp.float32(t)) for t in (0.0, 0.7)]
+                results[mode] = [step(drafter, target, cache, anchor, keys, Sampling.rows(3, t)) for t in (0.0, 0.7)]
         for ref, ker in zip(results["reference"], results["interpret"]):
             np.testing.assert_array_equal(np.asarray(ker.cand_ids), np.asarray(ref.cand_ids))
             np.testing.assert_array_equal(np.asarray(ker.tokens), np.asarray(ref.tokens))

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import require  # noqa: E402
 
 openai = require("openai")
@@ -67,11 +66,11 @@ def start_uvicorn(app):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dspine_jax.drafter_io import init_drafter
+    from dspine_jax.drafters.io import init_drafter
+    from dspine_jax.models.target import load_target
+    from dspine_jax.models.tokenizer import load_tokenizer
     from dspine_jax.serve.engine import EngineCore
     from dspine_jax.serve.server import ServerConfig, build_app
-    from dspine_jax.target import load_target
-    from dspine_jax.tokenizer import load_tokenizer
 
     model_dir, _ = make_tiny_hf_model("llama", tmp_path_factory.mktemp("serve") / "tiny", tie_word_embeddings=True)
     make_tiny_tokenizer(model_dir)
@@ -94,7 +93,7 @@ def server(tmp_path_factory):
 
 def reference_text(server, prompt_ids, max_tokens) -> str:
     """What ``generate`` (greedy, EOS-stopped) produces for the prompt, decoded as the server decodes."""
-    from dspine_jax.generate import generate
+    from dspine_jax.decoding.autoregressive import generate
 
     tokens = generate(server["target"], [prompt_ids], max_tokens).token_ids[0]
     return server["tokenizer"].decode(tokens, skip_special_tokens=True)
@@ -140,7 +139,7 @@ def test_long_prompt_is_chunked_not_compiled(server):
     from dspine_jax.serve import engine as eng
 
     client, tok = server["client"], server["tokenizer"]
-    compiled = eng.prefill_slot._cache_size()
+    compiled = eng.prefill_chunk._cache_size()
     for words in (150, 97):
         prompt = " ".join(f"w{7 + (j * 11) % 120}" for j in range(words))
         ids = tok.encode(prompt)
@@ -148,7 +147,7 @@ def test_long_prompt_is_chunked_not_compiled(server):
         assert len(ids) > 64 and len(eng.plan_prefill(len(ids), core.prompt_widths, core.capacity)) > 1
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
         assert out.choices[0].text == reference_text(server, ids, 12)
-    assert eng.prefill_slot._cache_size() == compiled
+    assert eng.prefill_chunk._cache_size() == compiled
 
 
 def test_chat_and_streaming_match(server):
@@ -426,12 +425,10 @@ def test_cli_help_shows_defaults():
 def test_cli_reports_a_bad_model_after_listening(monkeypatch):
     """Weights load in the background: a bad model path makes the server stop listening and exit 1 with the
     loader's message (not hang in "starting")."""
-    import importlib
-
+    import dspine_jax.serve.__main__ as serve_cli
     from dspine_jax.serve.__main__ import main
 
-    generate_module = importlib.import_module("dspine_jax.generate")  # the package re-exports a function by that name
-    monkeypatch.setattr(generate_module, "enable_compilation_cache", lambda: None)  # no global jax config change
+    monkeypatch.setattr(serve_cli, "enable_compilation_cache", lambda: None)  # no global jax config change
     with pytest.raises(SystemExit, match="could not load model '/nonexistent/model'"):
         main(["--model", "/nonexistent/model", "--port", str(free_port())])
 

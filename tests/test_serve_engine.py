@@ -7,15 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 from jax.experimental import io_callback
 
-from dspine_jax.drafter import DraftOutput
-from dspine_jax.drafter_io import init_drafter
-from dspine_jax.generate import generate
-from dspine_jax.sampling import process_logits
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.sampling import Sampling, process_logits, process_rows
+from dspine_jax.decoding.speculative import DrafterProposer, accept_sampling
+from dspine_jax.drafters.drafter import DraftOutput
+from dspine_jax.drafters.io import init_drafter
+from dspine_jax.models.target import load_target
 from dspine_jax.serve import engine as eng
 from dspine_jax.serve.engine import EngineCore, SlotParams
-from dspine_jax.target import load_target
 
 PROMPTS = [[1, 5, 9, 3], [1, 7, 8, 9, 10, 11, 12], [1, 20], [1, 3, 3, 3, 3, 4], [1, 50, 60], [1, 99, 98, 97, 96]]
 BUDGETS = [20, 9, 1, 20, 9, 20]
@@ -79,7 +81,7 @@ def test_speculative_engine_random_drafter_equals_generate(llama):
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (conftest sets 8 CPU devices)")
 def test_sharded_engine_equals_generate(llama):
     """``serve --tp 2 --dp 2``: the engine on a 2×2 mesh (slots split over data, heads over model)."""
-    from dspine_jax.mesh import make_mesh
+    from dspine_jax.parallel.mesh import make_mesh
 
     ref, _ = reference(llama, [])
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
@@ -93,7 +95,7 @@ def test_sharded_engine_equals_generate(llama):
     assert got == ref
 
 
-def test_speculative_engine_oracle_multi_token(llama, monkeypatch):
+def test_speculative_engine_oracle_multi_token(llama):
     """An oracle drafter (the reference continuation, wrong at a slot that varies with position) makes
     rounds commit 1…T tokens; output, stops mid-block and budget cuts must still equal ``generate``."""
     full_ref, _ = reference(llama, [])
@@ -107,38 +109,39 @@ def test_speculative_engine_oracle_multi_token(llama, monkeypatch):
     seqs = jnp.asarray(seqs)
     mapping = np.zeros(3, np.int32)  # slot → prompt index, read from the host at run time
 
-    def oracle(drafter, target, cache, anchor, keys, temperature, num):
-        rows = io_callback(lambda: mapping.copy(), jax.ShapeDtypeStruct((3,), jnp.int32))[: cache.lengths.shape[0]]
-        pos = cache.lengths[:, None] + 1 + jnp.arange(num)[None, :]
-        tokens = jnp.take_along_axis(seqs[rows], jnp.clip(pos, 0, width - 1), axis=1)
-        wrong = (cache.lengths % (num + 2))[:, None] == jnp.arange(num)[None, :]
-        tokens = jnp.where(wrong, (tokens + 1) % target.config.vocab_size, tokens).astype(jnp.int32)
-        return DraftOutput(tokens=tokens, cand_ids=tokens[..., None], q=jnp.ones((*tokens.shape, 1), jnp.float32))
+    @struct.dataclass
+    class Oracle(DrafterProposer):
+        """The drafter's context ring as state (its lengths = the row's position), the reference as proposals."""
 
-    monkeypatch.setattr(eng, "draft_rows", oracle)
-    eng.step.clear_cache()
+        def propose(self, target, cache, anchor, counts, keys, sampling, num):
+            rows = io_callback(lambda: mapping.copy(), jax.ShapeDtypeStruct((3,), jnp.int32))[: cache.lengths.shape[0]]
+            pos = cache.lengths[:, None] + 1 + jnp.arange(num)[None, :]
+            tokens = jnp.take_along_axis(seqs[rows], jnp.clip(pos, 0, width - 1), axis=1)
+            wrong = (cache.lengths % (num + 2))[:, None] == jnp.arange(num)[None, :]
+            tokens = jnp.where(wrong, (tokens + 1) % target.config.vocab_size, tokens).astype(jnp.int32)
+            return DraftOutput(tokens=tokens, cand_ids=tokens[..., None], q=jnp.ones((*tokens.shape, 1), jnp.float32))
+
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=5, top_k=8, seed=3)
-    core = EngineCore(llama, drafter, num_slots=3, context_length=64, stop_ids=[stop_token])
+    core = EngineCore(llama, drafter, num_slots=3, context_length=64, stop_ids=[stop_token], proposer=Oracle(drafter))
 
     got, reasons, taus = run_engine(core, PROMPTS, BUDGETS, on_admit=mapping.__setitem__)
     assert got == ref
     assert reasons == ref_reasons
     assert max(taus) == 5 and min(taus) >= 1 and len(set(taus)) >= 3
-    eng.step.clear_cache()
 
 
-def test_process_logits_rows_matches_per_row():
+def test_process_rows_matches_per_row():
     logits = jax.random.normal(jax.random.key(0), (4, 3, 50)) * 3
     temperature = jnp.asarray([0.7, 1.0, 1.3, 2.0])
     top_p = jnp.asarray([1.0, 0.8, 0.5, 1.0])
     top_k = jnp.asarray([0, 5, 0, 12])
-    got = eng.process_logits_rows(logits, temperature, top_p, top_k)
+    got = process_rows(logits, Sampling(temperature, top_p, top_k))
     for b in range(4):
         want = process_logits(logits[b], temperature[b], top_p[b], int(top_k[b]))
         np.testing.assert_allclose(np.asarray(got[b]), np.asarray(want), rtol=1e-6)
 
 
-def test_accept_sampling_rows_is_lossless():
+def test_accept_sampling_with_per_row_parameters_is_lossless():
     """First emitted token of a round ~ p (temperature/top-k applied), whatever the draft q."""
     v, n = 6, 20000
     logits = jnp.asarray([[[2.0, 1.0, 0.5, 0.0, -1.0, -2.0], [0.0, 0.3, 0.2, 0.1, 0.0, 0.0]]])  # [1, T=2, V]
@@ -150,8 +153,8 @@ def test_accept_sampling_rows_is_lossless():
         kd, ka = jax.random.split(key)
         idx = jax.random.categorical(kd, jnp.log(q[0, 0]))
         tok = cand[0, 0, idx][None, None]
-        emitted, _ = eng.accept_sampling_rows(ka[None], logits, DraftOutput(tokens=tok, cand_ids=cand, q=q),
-                                              temperature, top_p, top_k)
+        emitted, _ = accept_sampling(ka[None], logits, DraftOutput(tokens=tok, cand_ids=cand, q=q),
+                                     Sampling(temperature, top_p, top_k))
         return emitted[0, 0]
 
     first = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(1), n))
@@ -194,12 +197,12 @@ def test_long_prompts_are_chunked_and_equal_generate(llama):
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
     core = EngineCore(llama, drafter, num_slots=2, context_length=120, stop_ids=[], max_prompt_bucket=32)
     core.warmup()
-    compiled = eng.prefill_slot._cache_size()
+    compiled = eng.prefill_chunk._cache_size()
     prompts = [[1] + [(7 * i + 3) % 120 + 3 for i in range(n)] for n in (100, 33, 64, 70)]
     ref = generate(llama, prompts, 12, stop_ids=[]).token_ids  # one batch: one compile
     got, _, _ = run_engine(core, prompts, [12] * len(prompts))
     assert got == ref
-    assert eng.prefill_slot._cache_size() == compiled
+    assert eng.prefill_chunk._cache_size() == compiled
 
 
 def test_long_prompts_are_chunked_on_a_hybrid_target(tmp_path):

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from dspine_jax.serve.parsers import Qwen3CoderToolParser, ReasoningParser, parse_full
-from dspine_jax.serve.server import TextStream, _normalize_messages
+from dspine_jax.serve.protocol import normalize_messages
+from dspine_jax.serve.scheduler import TextStream
 
 TOOLS = [{
     "type": "function",
@@ -140,8 +141,8 @@ def test_text_stream_stop_strings(stops, expect):
     assert out == expect
 
 
-def test_normalize_messages_for_templates():
-    msgs = _normalize_messages([
+def testnormalize_messages_for_templates():
+    msgs = normalize_messages([
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},

@@ -7,8 +7,6 @@ import threading
 import time
 
 import httpx
-import pytest
-
 from conftest import require  # noqa: E402
 
 require("uvicorn")
@@ -17,7 +15,8 @@ require("starlette")
 from conftest import make_tiny_hf_model  # noqa: E402
 from test_serve import make_tiny_tokenizer, start_uvicorn  # noqa: E402
 
-from dspine_jax.serve.server import ServerConfig, StartupError, build_app  # noqa: E402
+from dspine_jax.serve.scheduler import StartupError  # noqa: E402
+from dspine_jax.serve.server import ServerConfig, build_app  # noqa: E402
 
 
 def serve(load, on_failure=None):
@@ -42,10 +41,10 @@ def assert_unavailable(response: httpx.Response, code: str) -> None:
 
 
 def test_health_says_starting_until_the_engine_is_ready(tmp_path):
-    from dspine_jax.generate import generate
+    from dspine_jax.decoding.autoregressive import generate
+    from dspine_jax.models.target import load_target
+    from dspine_jax.models.tokenizer import load_tokenizer
     from dspine_jax.serve.engine import EngineCore
-    from dspine_jax.target import load_target
-    from dspine_jax.tokenizer import load_tokenizer
 
     model_dir, _ = make_tiny_hf_model("llama", tmp_path / "tiny", tie_word_embeddings=True)
     make_tiny_tokenizer(model_dir)

@@ -10,17 +10,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
-
 from conftest import make_tiny_hf_model
+from jax.sharding import PartitionSpec as P
 from test_hybrid import make_tiny_hybrid
 
-from dspine_jax import speculative as spec
-from dspine_jax.drafter_io import init_drafter
-from dspine_jax.generate import generate
-from dspine_jax.mesh import make_mesh, use_mesh
-from dspine_jax.sharding import describe, shard_drafter, shard_target
-from dspine_jax.target import load_target
+from dspine_jax.decoding import speculative as spec
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.drafters.io import init_drafter
+from dspine_jax.models.target import load_target
+from dspine_jax.parallel.mesh import make_mesh, use_mesh
+from dspine_jax.parallel.sharding import describe, shard_drafter, shard_target
 from kernels.pallas import dispatch
 
 MAX_NEW = 12
@@ -179,7 +178,7 @@ def test_uneven_heads_fall_back_to_replicated_attention(tiny_models):
 def test_gdn_conv_channels_split_by_heads(models):
     """A hybrid's Gated-DeltaNet q|k|v conv channels are regrouped so each model shard holds its own key
     and value heads; regrouping there and back is the identity."""
-    from dspine_jax import gdn
+    from dspine_jax.models import gdn
 
     target, *_ = models["hybrid"]
     c = target.config

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dspine_jax import generate, load_target, load_tokenizer
-from dspine_jax.generate import encode_prompt
+from dspine_jax.models.tokenizer import encode_prompt
 
 pytestmark = pytest.mark.slow
 ALIAS = "smollm2-135m-instruct"

@@ -14,13 +14,12 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import make_tiny_hf_model
 
-from dspine_jax.drafter_io import init_drafter
-from dspine_jax.generate import generate
-from dspine_jax.speculative import OracleProposer, prefill, speculative_generate, speculative_loop
-from dspine_jax.target import load_target
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.speculative import OracleProposer, prefill, speculative_generate, speculative_loop
+from dspine_jax.drafters.io import init_drafter
+from dspine_jax.models.target import load_target
 
 MAX_NEW = 24
 VERIFY = 5  # oracle verify length: anchor + 4 proposals → acceptance lengths 0…4 (5 rows)

@@ -31,14 +31,20 @@ from drafter_helpers import append, forward, tapped_features, with_random_inject
 from flax import struct
 from scipy import stats
 
-from dspine_jax import drafter as D
-from dspine_jax.dspine import SPINE
-from dspine_jax import target as tgt
-from dspine_jax.drafter import DraftOutput
-from dspine_jax.drafter_io import init_drafter
-from dspine_jax.sampling import sampling_probs
-from dspine_jax.speculative import DrafterProposer, OracleProposer, accept_sampling, generate_impl, speculative_generate
-from dspine_jax.target import load_target
+from dspine_jax.decoding.sampling import Sampling, sampling_probs
+from dspine_jax.decoding.speculative import (
+    DrafterProposer,
+    OracleProposer,
+    accept_sampling,
+    generate_impl,
+    speculative_generate,
+)
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters.drafter import DraftOutput
+from dspine_jax.drafters.dspine import SPINE
+from dspine_jax.drafters.io import init_drafter
+from dspine_jax.models import target as tgt
+from dspine_jax.models.target import load_target
 
 ALPHA = 1e-4  # per-check false-failure probability
 
@@ -83,8 +89,8 @@ def test_accept_sampling_matches_target_distribution():
         cand_ids=jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (rows, t - 1, v)),
         q=jnp.broadcast_to(jnp.asarray(q), (rows, t - 1, v)),
     )
-    emitted, accepted = jax.jit(accept_sampling, static_argnames="top_k")(
-        key_accept, logits, proposal, jnp.float32(temperature), jnp.float32(top_p), top_k
+    emitted, accepted = jax.jit(accept_sampling)(
+        jax.random.split(key_accept, rows), logits, proposal, Sampling.rows(rows, temperature, top_p, top_k)
     )
     emitted, accepted = np.asarray(emitted), np.asarray(accepted)
     assert 0.05 < (accepted == 0).mean() < 0.95 and (accepted == t - 1).mean() > 0.05  # every path taken
@@ -114,7 +120,7 @@ def exact_joint(target, temperature: float, top_p: float, top_k: int) -> np.ndar
     n = len(PROMPT)
     tails = np.stack(np.meshgrid(*[np.arange(V)] * (N_TOKENS - 1), indexing="ij"), -1).reshape(-1, N_TOKENS - 1)
     seqs = np.concatenate([np.broadcast_to(PROMPT, (len(tails), n)), tails], axis=1).astype(np.int32)
-    hidden, _, _ = tgt.forward(target, tgt.init_cache(target, len(seqs), seqs.shape[1]), jnp.asarray(seqs))
+    hidden, _, _, _ = tgt.forward(target, tgt.init_cache(target, len(seqs), seqs.shape[1]), jnp.asarray(seqs))
     p = np.asarray(sampling_probs(tgt.lm_logits(target, hidden), temperature, top_p, top_k), np.float64)
     p = p.reshape(*[V] * (N_TOKENS - 1), seqs.shape[1], V)  # [tail…, position, next]
     joint = p[(0,) * (N_TOKENS - 1) + (n - 1,)]  # t1 does not depend on the tail
@@ -179,12 +185,15 @@ def test_speculative_sampling_joint_distribution(small_vocab_target, kind, tempe
 
 @struct.dataclass
 class SpyProposer(OracleProposer):
-    """Records the sampling filters the loop hands the proposer (``top_k`` at trace, ``top_p`` per round)."""
+    """Records the sampling filters the loop hands the proposer (every round, every row)."""
 
-    def propose(self, target, state, anchor, counts, key, temperature, num, top_p=1.0, top_k=0):
-        SEEN["top_k"].add(top_k)
-        jax.debug.callback(lambda value: SEEN["top_p"].add(round(float(value), 6)), top_p)
-        return super().propose(target, state, anchor, counts, key, temperature, num, top_p, top_k)
+    def propose(self, target, state, anchor, counts, keys, sampling, num):
+        def record(top_k, top_p):
+            SEEN["top_k"].update(int(k) for k in top_k)
+            SEEN["top_p"].update(round(float(p), 6) for p in top_p)
+
+        jax.debug.callback(record, sampling.top_k, sampling.top_p)
+        return super().propose(target, state, anchor, counts, keys, sampling, num)
 
 
 SEEN: dict[str, set] = {}

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny_hf_model
+
 from dspine_jax import load_target
-from dspine_jax.target import forward, init_cache, lm_logits
+from dspine_jax.models.target import forward, init_cache, lm_logits
 
 TOL = 1e-4
 
@@ -26,7 +26,7 @@ def test_prefill_logits_and_taps_match_hf(tiny_models, family):
     tokens = np.random.RandomState(0).randint(0, 128, (2, 11))
     ref = hf_forward(hf, tokens)
     taps = (0, 1)
-    hidden, tapped, _ = forward(target, init_cache(target, 2, 32), jnp.asarray(tokens), taps=taps)
+    hidden, tapped, _, _ = forward(target, init_cache(target, 2, 32), jnp.asarray(tokens), taps=taps)
     np.testing.assert_allclose(np.asarray(lm_logits(target, hidden)), ref.logits.numpy(), atol=TOL, rtol=0)
     for j, layer in enumerate(taps):
         np.testing.assert_allclose(np.asarray(tapped[j]), ref.hidden_states[layer + 1].numpy(), atol=TOL, rtol=0)
@@ -42,14 +42,14 @@ def test_step_decode_and_block_on_cache_match_hf(tiny_models, family):
     ref_logits = hf_forward(hf, tokens).logits.numpy()  # one full causal pass is the reference
 
     cache = init_cache(target, 1, 64)
-    hidden, _, cache = forward(target, cache, jnp.asarray(tokens[:, :7]))
+    hidden, _, cache, _ = forward(target, cache, jnp.asarray(tokens[:, :7]))
     cache = cache.commit(jnp.array([7]))
     got = [np.asarray(lm_logits(target, hidden))]
     for i in range(7, 10):
-        hidden, _, cache = forward(target, cache, jnp.asarray(tokens[:, i : i + 1]))
+        hidden, _, cache, _ = forward(target, cache, jnp.asarray(tokens[:, i : i + 1]))
         cache = cache.commit(jnp.array([1]))
         got.append(np.asarray(lm_logits(target, hidden)))
-    hidden, _, cache = forward(target, cache, jnp.asarray(tokens[:, 10:]))
+    hidden, _, cache, _ = forward(target, cache, jnp.asarray(tokens[:, 10:]))
     got.append(np.asarray(lm_logits(target, hidden)))
     np.testing.assert_allclose(np.concatenate(got, axis=1), ref_logits, atol=TOL, rtol=0)
 
@@ -64,9 +64,9 @@ def test_rows_with_different_lengths_are_independent(tiny_models):
     padded = np.zeros((2, 9), np.int64)
     padded[0], padded[1, :4] = a, b
     cache = init_cache(target, 2, 32)
-    _, _, cache = forward(target, cache, jnp.asarray(padded))
+    _, _, cache, _ = forward(target, cache, jnp.asarray(padded))
     cache = cache.commit(jnp.array([9, 4]))
-    hidden, _, _ = forward(target, cache, jnp.asarray(block))
+    hidden, _, _, _ = forward(target, cache, jnp.asarray(block))
     got = np.asarray(lm_logits(target, hidden))
     for row, prefix in enumerate([a, b]):
         ref = hf_forward(hf, np.concatenate([prefix, block[row]])[None]).logits.numpy()[0, len(prefix) :]
@@ -81,12 +81,12 @@ def test_sharded_checkpoint_and_bf16(tmp_path):
     tokens = np.random.RandomState(3).randint(0, 128, (1, 12))
     ref = hf_forward(hf, tokens).logits.numpy()
     sharded = load_target(tmp_path / "sharded")
-    hidden, _, _ = forward(sharded, init_cache(sharded, 1, 16), jnp.asarray(tokens))
+    hidden, _, _, _ = forward(sharded, init_cache(sharded, 1, 16), jnp.asarray(tokens))
     np.testing.assert_allclose(np.asarray(lm_logits(sharded, hidden)), ref, atol=TOL, rtol=0)
 
     bf16 = load_target(model_dir, dtype="bfloat16")
     assert bf16.dtype == jnp.bfloat16
-    hidden, _, _ = forward(bf16, init_cache(bf16, 1, 16), jnp.asarray(tokens))
+    hidden, _, _, _ = forward(bf16, init_cache(bf16, 1, 16), jnp.asarray(tokens))
     with torch.no_grad():
         ref_bf16 = hf.to(torch.bfloat16)(torch.tensor(tokens)).logits.float().numpy()
     hf.float()
@@ -105,5 +105,5 @@ def test_sliding_window_layers_match_hf(tmp_path):
     assert target.params.layers[1].window == 4 and target.params.layers[0].window == 0
     tokens = np.random.RandomState(4).randint(0, 128, (1, 12))
     ref = hf_forward(hf, tokens).logits.numpy()
-    hidden, _, _ = forward(target, init_cache(target, 1, 16), jnp.asarray(tokens))
+    hidden, _, _, _ = forward(target, init_cache(target, 1, 16), jnp.asarray(tokens))
     np.testing.assert_allclose(np.asarray(lm_logits(target, hidden)), ref, atol=TOL, rtol=0)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from conftest import require
 
-from dspine_jax import drafter as D
-from dspine_jax.drafter_io import default_mask_token_id, drafter_to_tensors, init_drafter, load_drafter, save_drafter
-from dspine_jax.target import load_target
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters.io import default_mask_token_id, drafter_to_tensors, init_drafter, load_drafter, save_drafter
+from dspine_jax.models.target import load_target
 from dspine_jax.train import losses as L
 from dspine_jax.train.data import _split, check_disjoint, pack_rows, target_features
 from dspine_jax.train.loop import (
@@ -289,7 +289,7 @@ def test_loss_decay_gamma_follows_the_reference_per_kind(tiny_target):
 @pytest.fixture(scope="module")
 def tiny_dataset(tiny_target):
     """Target-regenerated (greedy) continuations of random prompts: learnable from the features."""
-    from dspine_jax.generate import generate
+    from dspine_jax.decoding.autoregressive import generate
 
     target = tiny_target
     rng = np.random.default_rng(0)
@@ -391,8 +391,8 @@ def test_real_prompt_collection_heldout_disjoint(tmp_path):
 
 @pytest.mark.slow
 def test_cli_train_resume_export(tiny_models, tiny_target, tiny_dataset, tmp_path):
-    from dspine_jax.generate import generate
-    from dspine_jax.speculative import speculative_generate
+    from dspine_jax.decoding.autoregressive import generate
+    from dspine_jax.decoding.speculative import speculative_generate
     from dspine_jax.train.__main__ import main
 
     target = tiny_target

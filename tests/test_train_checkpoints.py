@@ -11,8 +11,8 @@ import pytest
 from conftest import missing_reference, require
 
 from dspine_jax import generate, load_drafter, load_target, load_tokenizer, speculative_generate
-from dspine_jax.drafter_io import default_mask_token_id
-from dspine_jax.generate import encode_prompt
+from dspine_jax.drafters.io import default_mask_token_id
+from dspine_jax.models.tokenizer import encode_prompt
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from dspine_jax.hub import resolve_model_dir
-from dspine_jax.train.data import DOMAINS, load_sequences
-
 from conftest import make_tiny_hf_model
+
+from dspine_jax.models.hub import resolve_model_dir
+from dspine_jax.train.data import DOMAINS, load_sequences
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "experiments" / "data" / "smollm2-v2"

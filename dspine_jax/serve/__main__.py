@@ -24,14 +24,15 @@ from typing import Any
 import jax
 import uvicorn
 
-from dspine_jax import target as tgt
-from dspine_jax import tokenizer as tokenizer_io
-from dspine_jax.drafter_io import load_draft
-from dspine_jax.generate import enable_compilation_cache
-from dspine_jax.mesh import make_mesh
+from dspine_jax.decoding.planning import enable_compilation_cache
+from dspine_jax.decoding.speculative import load_sps_table
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models import target as tgt
+from dspine_jax.models import tokenizer as tokenizer_io
+from dspine_jax.parallel.mesh import make_mesh
 from dspine_jax.serve.engine import EngineCore
-from dspine_jax.serve.server import ServerConfig, StartupError, build_app
-from dspine_jax.speculative import load_sps_table
+from dspine_jax.serve.scheduler import StartupError
+from dspine_jax.serve.server import ServerConfig, build_app
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SHIPPED_DRAFTER = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-dspine-b8"

@@ -1,7 +1,7 @@
 """Continuous-batching engine: a fixed number of slots, one speculative round per engine step.
 
 Device state (persistent, donated to every jitted call): the target cache and the drafter's context
-cache, ``S`` rows each (one row per slot), ``context_length + T_max`` positions per row (the ``T_max``
+cache, ``R ≤ S`` rows each (one row per slot, see ``step``), ``context_length + T_max`` positions per row (the ``T_max``
 slack keeps a verify block inside the buffer, as in ``speculative_generate``).
 
 Host state (numpy, per slot, passed into each step — a few hundred bytes): the anchor (last emitted
@@ -12,26 +12,20 @@ stop strings; the device only knows cache lengths.
 Jitted pieces (compiled once per shape; ``EngineCore.warmup`` compiles every shape, which the server
 does in the background before it reports ready):
 
-* ``prefill_slot`` — run one prompt chunk (padded to a power-of-two width, 32 … ``max_prompt_bucket``)
-  on slot ``i``'s row (a fresh batch-1 cache for a prompt's first chunk), commit its length, and write
-  that row back into the persistent caches (every cache leaf is batch-major, so a
-  ``dynamic_update_slice`` per leaf); returns the next token, sampled with the slot's own parameters.
-  A prompt wider than the largest width is prefilled in several chunks (``plan_prefill``),
-  so no prompt length compiles a new shape.
-* ``step`` — one round for all slots: draft (per-row temperature and keys), verify ``[S, T]``, accept
-  (greedy rows: longest argmax prefix + bonus; sampled rows: lossless speculative sampling with
-  per-row temperature / top-p / top-k), stop at the engine's stop ids, cut at each slot's remaining
-  budget, commit. The step runs on the first ``rows`` slots only (a power-of-two bucket covering every
-  running slot; requests take the lowest free slot), so idle slots cost no compute; idle slots inside the
-  bucket run too (static shapes) but commit nothing. With ``verify_len == 1`` and no drafter it is a
-  plain autoregressive step (``--no-speculative``).
+* ``prefill_chunk`` — run one prompt chunk (padded to a power-of-two width, 32 … ``max_prompt_bucket``)
+  on a batch-1 cache of the request's own and commit its length; returns the next token, sampled with
+  the request's parameters. A prompt wider than the largest width is prefilled in several chunks
+  (``plan_prefill``), so no prompt length compiles a new shape. ``write_row`` then puts the row into
+  its slot (every cache leaf is batch-major: a ``dynamic_update_slice`` per leaf, in place).
+* ``step`` — ``speculative.speculative_round`` for all slots, the same round ``speculative_generate``
+  runs inside its while loop (per-row sampling parameters, keys and budgets; the engine's stop ids).
+  The device caches hold only the first ``R`` slots, ``R`` a power-of-two bucket covering every
+  occupied slot (requests take the lowest free slot), so idle slots cost no compute and a step never
+  slices or copies the caches: they are resized (``resize_rows``) only when the highest occupied slot
+  crosses a bucket. Idle slots inside the bucket run too (static shapes) but commit nothing. With ``verify_len == 1`` and no drafter (``NoProposer``) it is
+  a plain autoregressive step (``--no-speculative``).
 
-Per-row top-k: ``lax.top_k`` needs a static k, so the k-th largest logit is read from a descending
-sort at a per-row index (k = 0 → no cut); top-p reuses the same sort. The sort runs only when some
-running row asks for top-k or top-p (``lax.cond``), and the sampling path only when some row samples.
-
-Greedy rows use exactly ``accept_greedy`` on the target's f32 logits, so their output equals
-``generate``'s (the same argument as for ``speculative_generate``).
+This module keeps only slot bookkeeping: admitting a request (prefill), stepping, releasing a slot.
 """
 
 from __future__ import annotations
@@ -46,12 +40,19 @@ import numpy as np
 from jax import Array
 from jax.sharding import Mesh
 
-from dspine_jax import drafter as dr
-from dspine_jax import target as tgt
-from dspine_jax.drafter import Drafter, DraftOutput
-from dspine_jax.mesh import DATA, use_mesh
-from dspine_jax.sharding import shard_drafter, shard_target
-from dspine_jax.speculative import accept_greedy
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.decoding.speculative import (
+    DrafterProposer,
+    NoProposer,
+    Proposer,
+    RoundState,
+    accept_sampling,
+    speculative_round,
+)
+from dspine_jax.drafters.drafter import Drafter
+from dspine_jax.models import target as tgt
+from dspine_jax.parallel.mesh import DATA, use_mesh
+from dspine_jax.parallel.sharding import shard_drafter, shard_target
 
 MIN_PROMPT_BUCKET = 32
 
@@ -83,234 +84,90 @@ def plan_prefill(n: int, widths: Sequence[int], capacity: int) -> list[tuple[int
 
 
 # ----------------------------------------------------------------------------------------------
-# Per-row sampling pieces
-
-
-def _split_rows(keys: Array, num: int) -> Array:
-    """Typed keys ``[B]`` → ``[B, num]``."""
-    return jax.vmap(lambda k: jax.random.split(k, num))(keys)
-
-
-def process_logits_rows(logits: Array, temperature: Array, top_p: Array, top_k: Array) -> Array:
-    """``logits [B, T, V]`` with per-row ``temperature``, ``top_p``, ``top_k [B]`` → filtered float32 logits.
-
-    Same order and tie rules as ``sampling.process_logits`` (temperature, then top-k, then top-p over
-    the top-k survivors; top-p keeps the token crossing the threshold). ``temperature`` must be > 0 here.
-    """
-    v = logits.shape[-1]
-    x = logits.astype(jnp.float32) / temperature[:, None, None]
-
-    def cut(x: Array) -> Array:
-        desc = jnp.sort(x, axis=-1)[..., ::-1]  # [B, T, V]
-        k = jnp.where((top_k > 0) & (top_k < v), top_k, v)[:, None, None]  # [B, 1, 1]
-        kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, desc.shape[:-1] + (1,)), axis=-1)
-        x = jnp.where(x < kth, -jnp.inf, x)
-        desc = jnp.where(jnp.arange(v) < k, desc, -jnp.inf)
-        probs = jax.nn.softmax(desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < top_p[:, None, None]
-        threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-        threshold = jnp.where((top_p < 1.0)[:, None, None], threshold, -jnp.inf)
-        return jnp.where(x < threshold, -jnp.inf, x)
-
-    need = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1.0))
-    return jax.lax.cond(need, cut, lambda x: x, x)
-
-
-def _choose_rows(scores: Array, keys: Array, temperature: Array) -> tuple[Array, Array]:
-    """``drafter.choose`` with a temperature and key per row: scores ``[B, C]``, keys ``[B]``, temperature ``[B]``."""
-    greedy = temperature <= 0
-    scaled = scores / jnp.where(greedy, 1.0, temperature)[:, None]
-    best = jnp.argmax(scores, axis=-1)
-    sampled = jax.vmap(lambda k, s: jax.random.categorical(k, s))(keys, scaled)
-    index = jnp.where(greedy, best, sampled)
-    q = jnp.where(
-        greedy[:, None], jax.nn.one_hot(best, scores.shape[-1], dtype=jnp.float32), jax.nn.softmax(scaled, axis=-1)
-    )
-    return index.astype(jnp.int32), q
-
-
-def draft_rows(
-    drafter: Drafter, target: tgt.Target, cache: dr.DraftCache, anchor: Array, keys: Array, temperature: Array, num: int
-) -> DraftOutput:
-    """``drafter.draft`` with per-row temperature and keys (``[B]``) → ``num`` proposals per row.
-
-    The drafter kind's own forward, candidates and selection (DFlash per slot, DSpine's walk); only the
-    choice step is per-row (``drafter.choose`` takes one temperature and one key for the batch)."""
-    if num + 1 < drafter.config.block_size and all(drafter.config.layer_causal):
-        drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
-    fwd = dr.forward(drafter, target, cache, dr.block_tokens(drafter, anchor))
-    cands = drafter.kind.candidates(drafter, target, fwd, anchor)
-    slot_keys = jnp.moveaxis(_split_rows(keys, cands.cand_ids.shape[1]), 1, 0)  # [P', B]
-    tokens, q = drafter.kind.select(cands, slot_keys, lambda scores, k: _choose_rows(scores, k, temperature))
-    return DraftOutput(tokens=tokens[:, :num], cand_ids=cands.cand_ids[:, :num], q=q[:, :num])
-
-
-def accept_sampling_rows(
-    keys: Array, logits: Array, proposal: DraftOutput | None, temperature: Array, top_p: Array, top_k: Array
-) -> tuple[Array, Array]:
-    """``speculative.accept_sampling`` with per-row parameters and keys ``[B]``; ``proposal=None`` (T = 1)
-    is plain sampling. Returns emitted ``[B, T]`` (valid up to ``accepted``), accepted ``[B]``."""
-    b, t, _ = logits.shape
-    p_num = t - 1
-    both = _split_rows(keys, 2)
-    key_accept, key_final = both[:, 0], both[:, 1]
-    p = jax.nn.softmax(process_logits_rows(logits, temperature, top_p, top_k), axis=-1)  # [B, T, V]
-    rows = jnp.arange(b)
-    if p_num == 0:
-        final = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(key_final, p[:, 0])
-        return final[:, None].astype(jnp.int32), jnp.zeros((b,), jnp.int32)
-    tokens, cand_ids, q = proposal.tokens, proposal.cand_ids, proposal.q
-    p_x = jnp.take_along_axis(p[:, :-1], tokens[..., None], axis=-1)[..., 0]  # [B, P]
-    q_x = jnp.sum(jnp.where(cand_ids == tokens[..., None], q, 0.0), axis=-1)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (p_num,), jnp.float32))(key_accept)
-    ok = u * q_x < p_x
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    p_stop = p[rows, accepted]
-    slot = jnp.minimum(accepted, p_num - 1)
-    q_stop = jnp.zeros_like(p_stop).at[rows[:, None], cand_ids[rows, slot]].add(q[rows, slot])
-    residual = jnp.maximum(p_stop - q_stop, 0.0)
-    use_p = (accepted == p_num) | (jnp.sum(residual, axis=-1) <= 0.0)
-    final_dist = jnp.where(use_p[:, None], p_stop, residual)
-    final = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(key_final, final_dist).astype(jnp.int32)
-    emitted = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(jnp.arange(t)[None, :] == accepted[:, None], final[:, None], emitted)
-    return emitted, accepted
-
-
-# ----------------------------------------------------------------------------------------------
 # Jitted engine functions
 
 
-def _write_row(big, small, slot: Array):
-    """Write the batch-1 pytree ``small`` into row ``slot`` of the batch-major pytree ``big``."""
-    return jax.tree.map(lambda b, s: jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), slot, axis=0), big, small)
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def empty_row(target: tgt.Target, proposer: Proposer, *, capacity: int):
+    """Batch-1 caches for a prompt being prefilled (its own buffers, apart from the slots' caches)."""
+    row = (tgt.init_cache(target, 1, capacity), proposer.init(target, 1, capacity))
+    return jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), row)  # a distinct buffer per leaf (donation)
 
 
-def _resume_row(big, empty, slot: Array, fresh: Array):
-    """Row ``slot`` of the batch-major pytree ``big`` as a batch-1 pytree, or ``empty`` when ``fresh``
-    (a ``cond``, not a select: a prompt's first chunk does not read the slot's old row)."""
-    row = lambda: jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, slot, 1, axis=0), big)  # noqa: E731
-    return jax.lax.cond(fresh, lambda: empty, row)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache", "dstate"))
-def prefill_slot(
-    target: tgt.Target, drafter: Drafter | None, cache, dstate, tokens: Array, length: Array, slot: Array,
-    fresh: Array, key_data: Array, temperature: Array, top_p: Array, top_k: Array,
+@functools.partial(jax.jit, donate_argnames=("row", "prow"))
+def prefill_chunk(
+    target: tgt.Target, proposer: Proposer, row, prow, tokens: Array, length: Array, key_data: Array,
+    temperature: Array, top_p: Array, top_k: Array,
 ):
-    """Prompt chunk ``tokens [1, W]`` (``length`` real tokens) appended to row ``slot`` (to an empty row when
-    ``fresh``, a prompt's first chunk) → caches with that row replaced, and the token after the chunk ``[]``
-    (only the last chunk's is used).
+    """Prompt chunk ``tokens [1, W]`` (``length`` real tokens) appended to the batch-1 caches ``row`` /
+    ``prow`` → those caches and the token after the chunk ``[]`` (only the last chunk's is used).
 
-    ``temperature`` etc. are scalars (this request's); temperature 0 = greedy."""
-    capacity = cache.capacity
-    taps = drafter.config.target_layer_ids if drafter is not None else ()
-    small = _resume_row(cache, tgt.init_cache(target, 1, capacity), slot, fresh)
+    Compiled once per chunk width, whatever the slots' row bucket. ``temperature`` etc. are scalars
+    (this request's); temperature 0 = greedy."""
     lengths = length[None].astype(jnp.int32)
-    hidden, tapped, small, saved = tgt.forward(target, small, tokens, taps)
-    small = tgt.replay(target, small, saved, lengths)
-    cache = _write_row(cache, small, slot)
-    if drafter is not None:
-        dsmall = _resume_row(dstate, dr.init_draft_cache(drafter, 1, capacity), slot, fresh)
-        dsmall = dr.append_context(drafter, dsmall, tapped, lengths)
-        dstate = _write_row(dstate, dsmall, slot)
+    hidden, tapped, row, saved = tgt.forward(target, row, tokens, proposer.taps)
+    row = tgt.replay(target, row, saved, lengths)
+    prow = proposer.prefill(target, prow, tapped, lengths)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [1, 1, H]
     logits = tgt.lm_logits(target, last)  # [1, 1, V]
-    key = jax.random.wrap_key_data(key_data)
-    greedy_tok = jnp.argmax(logits[0, 0]).astype(jnp.int32)
-    temp = jnp.where(temperature > 0, temperature, 1.0)[None]
-    sampled, _ = accept_sampling_rows(key[None], logits, None, temp, top_p[None], top_k[None])
-    first = jnp.where(temperature > 0, sampled[0, 0], greedy_tok)
-    return cache, dstate, first
+    keys = jax.random.wrap_key_data(key_data)[None]
+    sampled, _ = accept_sampling(keys, logits, None, Sampling.rows(1, temperature, top_p, top_k))
+    first = jnp.where(temperature > 0, sampled[0, 0], jnp.argmax(logits[0, 0]).astype(jnp.int32))
+    return row, prow, first
 
 
-@functools.partial(jax.jit, static_argnames=("verify_len", "rows"), donate_argnames=("cache", "dstate"))
+@functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
+def write_row(cache, pstate, row, prow, slot: Array):
+    """The batch-1 caches ``row`` / ``prow`` written into row ``slot`` of the slots' caches (in place)."""
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)  # noqa: E731
+    return jax.tree.map(put, cache, row), jax.tree.map(put, pstate, prow)
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))  # (no donation: the shapes change)
+def resize_rows(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int):
+    """The caches with ``rows`` rows: the first rows kept, empty rows appended (every cache leaf is
+    batch-major). Runs when the highest occupied slot crosses a row bucket, not per step."""
+    have = cache.lengths.shape[0]
+    if rows <= have:
+        return jax.tree.map(lambda x: x[:rows], (cache, pstate))
+    extra = (tgt.init_cache(target, rows - have, cache.capacity), proposer.init(target, rows - have, cache.capacity))
+    return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), (cache, pstate), extra)
+
+
+@functools.partial(jax.jit, static_argnames=("verify_len",), donate_argnames=("cache", "pstate"))
 def step(
-    target: tgt.Target, drafter: Drafter | None, cache, dstate, anchor: Array, running: Array, remaining: Array,
-    key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, *, verify_len: int,
-    rows: int,
-):
-    """One engine step over the first ``rows`` slots (the host keeps running requests in low slots and
-    picks the smallest compiled bucket that covers them, so idle slots cost nothing); see ``step_rows``.
-    The per-slot inputs are ``[rows]``; the caches stay ``[S, …]`` and are updated in place."""
-    s = cache.lengths.shape[0]
-    if rows == s:
-        return step_rows(target, drafter, cache, dstate, anchor, running, remaining, key_data, temperature, top_p,
-                         top_k, stop_ids, verify_len=verify_len)
-    head = lambda tree: jax.tree.map(lambda x: x[:rows], tree)  # noqa: E731
-    sub_cache, sub_dstate, *out = step_rows(
-        target, drafter, head(cache), head(dstate), anchor, running, remaining, key_data, temperature, top_p, top_k,
-        stop_ids, verify_len=verify_len,
-    )
-    put = lambda big, small: jax.tree.map(  # noqa: E731
-        lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x, 0, axis=0), big, small)
-    return (put(cache, sub_cache), put(dstate, sub_dstate), *out)
-
-
-def step_rows(
-    target: tgt.Target, drafter: Drafter | None, cache, dstate, anchor: Array, running: Array, remaining: Array,
+    target: tgt.Target, proposer: Proposer, cache, pstate, anchor: Array, running: Array, remaining: Array,
     key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, *, verify_len: int,
 ):
-    """One engine step over all ``S`` slots.
+    """One engine step over the caches' ``R`` rows (the current row bucket): ``speculative_round``, the
+    round ``speculative_generate`` runs. The caches are donated and updated in place.
 
-    ``anchor [S]`` last emitted token per slot; ``running [S]`` bool; ``remaining [S]`` tokens the slot may
-    still emit (≥ 1 for running slots); ``key_data [S, 2]``; per-slot sampling parameters ``[S]``
-    (temperature 0 = greedy). Returns the caches, emitted ``[S, T]``, ``n_keep [S]`` (tokens of emitted
-    to append, 0 for idle slots), ``accepted [S]`` (proposals verification accepted), ``hit_stop [S]``
+    ``anchor [R]`` last emitted token per slot; ``running [R]`` bool; ``remaining [R]`` tokens the slot may
+    still emit (≥ 1 for running slots); ``key_data [R, 2]``; per-slot sampling parameters ``[R]``
+    (temperature 0 = greedy). Returns the caches, emitted ``[R, T]``, ``n_keep [R]`` (tokens of emitted
+    to append, 0 for idle slots), ``accepted [R]`` (proposals verification accepted), ``hit_stop [R]``
     (the kept tokens end on a stop id) and the next key data.
     """
-    t = verify_len
-    s = anchor.shape[0]
-    keys = jax.random.wrap_key_data(key_data)
-    split = _split_rows(keys, 3)
-    key_next, key_draft, key_accept = split[:, 0], split[:, 1], split[:, 2]
-    greedy = temperature <= 0
-    slots = jnp.arange(t)[None, :]
-
-    proposal = None
-    if t > 1:
-        draft_temp = jnp.where(greedy, 0.0, temperature)
-        proposal = draft_rows(drafter, target, dstate, anchor, key_draft, draft_temp, t - 1)
-        block = jnp.concatenate([anchor[:, None], proposal.tokens.astype(jnp.int32)], axis=1)
-    else:
-        block = anchor[:, None]
-    taps = drafter.config.target_layer_ids if (drafter is not None and t > 1) else ()
-    hidden, tapped, cache, saved = tgt.forward(target, cache, block, taps)
-    logits = tgt.lm_logits(target, hidden)  # [S, T, V] f32
-
-    if t > 1:
-        emitted, accepted = accept_greedy(logits, proposal.tokens)
-    else:
-        emitted, accepted = jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((s,), jnp.int32)
-    sampling = running & ~greedy
-
-    def sample_path(_):
-        temp = jnp.where(greedy, 1.0, temperature)
-        e, a = accept_sampling_rows(key_accept, logits, proposal, temp, top_p, top_k)
-        return jnp.where(sampling[:, None], e, emitted), jnp.where(sampling, a, accepted)
-
-    emitted, accepted = jax.lax.cond(jnp.any(sampling), sample_path, lambda _: (emitted, accepted), None)
-
-    is_stop = jnp.isin(emitted, stop_ids) & (slots <= accepted[:, None])
-    until_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, t)
-    n_keep = jnp.minimum(jnp.minimum(accepted + 1, until_stop), remaining)
-    n_keep = jnp.where(running, jnp.maximum(n_keep, 0), 0)
-    hit_stop = jnp.any(is_stop & (slots < n_keep[:, None]), axis=1)
-    # The anchor and the kept proposals enter the caches; the last kept token is the next anchor.
-    cache = tgt.replay(target, cache, saved, n_keep)
-    if t > 1:
-        dstate = dr.append_context(drafter, dstate, tapped, n_keep)
-    return cache, dstate, emitted, n_keep, accepted, hit_stop, jax.random.key_data(key_next)
+    state = RoundState(
+        cache=cache, proposer_state=pstate, anchor=anchor, running=running, remaining=remaining,
+        keys=jax.random.wrap_key_data(key_data),
+    )
+    # ``counts`` only matters to reference-indexing proposers (tests), which the engine does not run.
+    state, out = speculative_round(
+        target, proposer, state, Sampling(temperature, top_p, top_k), stop_ids, jnp.zeros_like(remaining),
+        verify_len=verify_len, all_greedy=False,
+    )
+    return (state.cache, state.proposer_state, out.emitted, out.n_keep, out.accepted, out.hit_stop,
+            jax.random.key_data(state.keys))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache", "dstate"))
-def reset_slot(cache, dstate, slot: Array):
+@functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
+def reset_slot(cache, pstate, slot: Array):
     """Zero a freed slot's lengths (its buffers are overwritten by the next prefill)."""
     cache = cache.replace(lengths=cache.lengths.at[slot].set(0))
-    if dstate is not None:
-        dstate = dstate.replace(lengths=dstate.lengths.at[slot].set(0))
-    return cache, dstate
+    if pstate is not None:  # a drafter's context ring
+        pstate = pstate.replace(lengths=pstate.lengths.at[slot].set(0))
+    return cache, pstate
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,10 +197,13 @@ class EngineCore:
         self, target: tgt.Target, drafter: Drafter | None, *, num_slots: int, context_length: int,
         verify_len: int | None = None, sps_table: dict[int, int] | None = None, stop_ids: Sequence[int] | None = None,
         bucket_rows: bool = True, mesh: Mesh | None = None, max_prompt_bucket: int = 256,
+        proposer: Proposer | None = None,
     ):
-        """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/mesh.py); the
+        """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/parallel/mesh.py); the
         target and drafter are laid out on it here, and slots are split over ``data``.
-        ``max_prompt_bucket``: the widest prefill chunk; longer prompts are prefilled in chunks."""
+        ``max_prompt_bucket``: the widest prefill chunk; longer prompts are prefilled in chunks.
+        ``proposer``: drafts in place of ``drafter`` (tests and ceilings plug in an oracle; the verify
+        lengths still come from ``drafter``'s block)."""
         config = target.config
         dp = mesh.shape[DATA] if mesh is not None else 1
         if num_slots % dp:
@@ -357,6 +217,9 @@ class EngineCore:
                 f"context length {context_length} must be in [2, {config.max_position_embeddings}] (the model's positions)"
             )
         self.target, self.drafter = target, drafter
+        if proposer is None:
+            proposer = NoProposer() if drafter is None else DrafterProposer(drafter)
+        self.proposer = proposer
         self.num_slots, self.context_length = num_slots, context_length
         if drafter is None:
             self.verify_lengths = {1: 1}
@@ -369,7 +232,6 @@ class EngineCore:
         self.max_verify = max(self.verify_lengths.values())
         self.prompt_widths = prompt_widths(context_length, max_prompt_bucket)
         self.capacity = cache_capacity(context_length, self.max_verify)
-        self._init_caches()
         stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
         stops += [-1] * (-(-max(len(stops), 1) // 8) * 8 - len(stops))
         self.stop_ids = jnp.asarray(stops, jnp.int32)
@@ -388,15 +250,16 @@ class EngineCore:
         # parallelism only multiples of the data groups, so every device keeps its own rows.
         buckets = [1 << i for i in range(s.bit_length()) if (1 << i) < s and (1 << i) % dp == 0] if bucket_rows else []
         self.row_buckets = buckets + [s]
+        self._init_caches()
 
     def _init_caches(self) -> None:
-        s, capacity = self.num_slots, self.capacity
+        rows, capacity = self.row_buckets[0], self.capacity
         with use_mesh(self.mesh):
-            cache = tgt.init_cache(self.target, s, capacity)
-            dstate = dr.init_draft_cache(self.drafter, s, capacity) if self.drafter is not None else None
+            cache = tgt.init_cache(self.target, rows, capacity)
+            pstate = self.proposer.init(self.target, rows, capacity)
             # Distinct buffers per leaf (init_draft_cache shares one zeros array between k and v): donation
             # needs every leaf to own its buffer.
-            self.cache, self.dstate = jax.tree.map(lambda x: jnp.array(x, copy=True), (cache, dstate))
+            self.cache, self.pstate = jax.tree.map(lambda x: jnp.array(x, copy=True), (cache, pstate))
 
     def reset(self) -> None:
         """Drop every slot and rebuild the caches (after a failed step, whose donated buffers are gone)."""
@@ -416,6 +279,22 @@ class EngineCore:
     def rows_for(self, highest: int) -> int:
         """The smallest row bucket (power of two, or all slots) covering slots ``[0, highest)``."""
         return next(b for b in self.row_buckets if b >= highest)
+
+    @property
+    def rows(self) -> int:
+        """Rows the device caches hold now (a row bucket)."""
+        return int(self.cache.lengths.shape[0])
+
+    def _fit_rows(self, highest: int) -> None:
+        """Resize the caches to the row bucket covering slots ``[0, highest)`` (once per bucket change)."""
+        rows = self.rows_for(max(highest, 1))
+        if rows != self.rows:
+            with use_mesh(self.mesh):
+                self.cache, self.pstate = resize_rows(self.target, self.proposer, self.cache, self.pstate, rows=rows)
+
+    def _highest_occupied(self) -> int:
+        occupied = np.flatnonzero(self.occupied)
+        return int(occupied[-1]) + 1 if occupied.size else 0
 
     def verify_len_for(self, batch: int) -> int:
         sizes = sorted(self.verify_lengths)
@@ -438,15 +317,17 @@ class EngineCore:
         k_prefill, k_loop = jax.random.split(jax.random.wrap_key_data(key))
         sampling = (jax.random.key_data(k_prefill), jnp.float32(params.temperature), jnp.float32(params.top_p),
                     jnp.int32(params.top_k))
+        self._fit_rows(max(slot + 1, self._highest_occupied()))
         with use_mesh(self.mesh):
+            row, prow = empty_row(self.target, self.proposer, capacity=self.capacity)
             for offset, width in plan_prefill(n, self.prompt_widths, self.capacity):
                 chunk = prompt[offset : offset + width]
                 tokens = np.full((1, width), self.target.config.pad_token_id or 0, np.int32)
                 tokens[0, : len(chunk)] = chunk
-                self.cache, self.dstate, first = prefill_slot(
-                    self.target, self.drafter, self.cache, self.dstate, jnp.asarray(tokens), jnp.int32(len(chunk)),
-                    jnp.int32(slot), jnp.bool_(offset == 0), *sampling,
+                row, prow, first = prefill_chunk(
+                    self.target, self.proposer, row, prow, jnp.asarray(tokens), jnp.int32(len(chunk)), *sampling
                 )
+            self.cache, self.pstate = write_row(self.cache, self.pstate, row, prow, jnp.int32(slot))
         first = int(first)
         self.occupied[slot] = True
         self.anchor[slot] = first
@@ -466,7 +347,7 @@ class EngineCore:
         self.remaining[slot] = 0
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = 0.0, 1.0, 0
         with use_mesh(self.mesh):
-            self.cache, self.dstate = reset_slot(self.cache, self.dstate, jnp.int32(slot))
+            self.cache, self.pstate = reset_slot(self.cache, self.pstate, jnp.int32(slot))
 
     def step(self) -> StepResult:
         active = self.running.copy()
@@ -474,12 +355,13 @@ class EngineCore:
         if n == 0:
             return StepResult({}, {}, [], 0)
         t = self.verify_len_for(n)
-        r = self.rows_for(int(np.flatnonzero(active)[-1]) + 1)
+        self._fit_rows(self._highest_occupied())  # shrinks after releases; admissions grew it already
+        r = self.rows
         with use_mesh(self.mesh):
-            self.cache, self.dstate, emitted, n_keep, _, hit_stop, key_next = step(
-                self.target, self.drafter, self.cache, self.dstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
+            self.cache, self.pstate, emitted, n_keep, _, hit_stop, key_next = step(
+                self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
                 jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
-                jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, verify_len=t, rows=r,
+                jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, verify_len=t,
             )
         emitted, n_keep, hit_stop, key_next = jax.device_get((emitted, n_keep, hit_stop, key_next))
         self.key_data[:r] = np.asarray(key_next, np.uint32)
@@ -521,3 +403,4 @@ class EngineCore:
                 finally:
                     self.verify_lengths = table
                 self.release(slot)
+        self._fit_rows(0)  # compiles the shrink back to the smallest bucket too

@@ -1,11 +1,10 @@
 """OpenAI-compatible HTTP server (Starlette + uvicorn) over the continuous-batching engine.
 
 Threads: uvicorn's event loop handles HTTP; one worker thread owns the ``EngineCore`` (every JAX call
-happens there). A request is validated and tokenized in the handler, queued (bounded: 429 when full),
-admitted into a free slot between engine steps (prefill), and fed text deltas from the worker through
-an ``asyncio.Queue`` (``loop.call_soon_threadsafe``). Detokenization and stop strings are handled per
-request in the worker, so a stop string frees the slot in the same step. A client that disconnects
-(streaming or not) marks its request cancelled; the worker frees the slot before the next step.
+happens there). A request is validated (``protocol.py``) and tokenized in the handler, then handed to
+the scheduler (``scheduler.py``: queued — 429 when full —, admitted between engine steps, streamed back).
+A client that disconnects (streaming or not) marks its request cancelled; the worker frees the slot
+before the next step. This module holds the routes only.
 
 Startup: the app answers as soon as it listens. The worker thread first runs the loader (weights,
 tokenizer, engine, compilation of every shape); until it returns, ``GET /health`` is 503
@@ -17,11 +16,8 @@ wait: a client is never held for minutes, and OpenAI clients retry 503s). Then `
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
-import math
-import threading
 import time
 import traceback
 import uuid
@@ -33,397 +29,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dspine_jax.serve.engine import EngineCore, SlotParams
 from dspine_jax.serve.metrics import Metrics
 from dspine_jax.serve.parsers import Qwen3CoderToolParser, ReasoningParser, parse_full
+from dspine_jax.serve.protocol import (
+    APIError,
+    RequestOptions,
+    normalize_messages,
+    parse_options,
+    sse,
+    sse_error,
+)
+from dspine_jax.serve.scheduler import AsyncEngine, GenRequest, Loader, QueueFull
 
 RETRY_AFTER_S = 5  # what a 503 "starting" tells clients to wait before retrying
 
-# Builds the engine core and its tokenizer; runs on the engine thread while the server says "starting".
-Loader = Callable[[], tuple[EngineCore, Any]]
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _sse(obj: dict) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def _sse_error(message: str) -> str:
-    return _sse({"error": {"message": message, "type": "server_error"}})
-
-
-class StartupError(Exception):
-    """A loader failure whose message is meant for the user as is (no traceback)."""
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-# ----------------------------------------------------------------------------------------------
-# Requests and incremental detokenization
-
-
-class TextStream:
-    """Incremental detokenization with stop strings: never returns text past a stop string, and holds
-    back a tail that could still become one (or an incomplete UTF-8 sequence)."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.sent = 0
-        self.text = ""
-
-    def feed(self, new_ids: list[int]) -> tuple[str, bool]:
-        self.ids += new_ids
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        text = self.text
-        best = -1
-        for s in self.stops:
-            idx = text.find(s, max(0, self.sent - len(s) + 1))
-            if idx >= 0 and (best < 0 or idx < best):
-                best = idx
-        if best >= 0:
-            out = text[self.sent:best] if best > self.sent else ""
-            self.sent = max(self.sent, best)
-            return out, True
-        safe = len(text)
-        while safe > self.sent and text[safe - 1] == "\ufffd":
-            safe -= 1
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
-        out = text[self.sent:safe] if safe > self.sent else ""
-        self.sent = max(self.sent, safe)
-        return out, False
-
-    def flush(self) -> str:
-        out = self.text[self.sent:]
-        self.sent = len(self.text)
-        return out
-
-
-@dataclasses.dataclass
-class GenRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    params: SlotParams
-    stops: list[str]
-    loop: asyncio.AbstractEventLoop
-    endpoint: str
-    queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-    cancelled: bool = False
-    slot: int | None = None
-    arrival: float = dataclasses.field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    num_generated: int = 0
-    stream: TextStream | None = None
-
-    def emit(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-
-class QueueFull(Exception):
-    pass
-
-
-class AsyncEngine:
-    """Owns the EngineCore in a worker thread; a bounded waiting queue in front of it.
-
-    The worker first runs ``load``: meanwhile ``state`` is "starting"; then "ready" (``ready`` is set), or
-    "failed" with ``error`` set and ``on_failure(error)`` called (the CLI stops listening)."""
-
-    def __init__(self, load: Loader, metrics: Metrics, max_queue: int):
-        self.load, self.metrics, self.max_queue = load, metrics, max_queue
-        self.core: EngineCore | None = None
-        self.tokenizer: Any = None
-        self.state = "starting"
-        self.error: str | None = None
-        self.ready = threading.Event()
-        self.on_failure: Callable[[str], None] | None = None
-        self.waiting: collections.deque[GenRequest] = collections.deque()
-        self.active: dict[int, GenRequest] = {}
-        self.cond = threading.Condition()
-        self.stopping = False
-        self.thread = threading.Thread(target=self._run, name="dspine-engine", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-        if self.ready.is_set():  # a loader cannot be interrupted: leave it to die with the (daemon) thread
-            self.thread.join(timeout=30)
-
-    def submit(self, req: GenRequest) -> None:
-        with self.cond:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull()
-            req.stream = TextStream(self.tokenizer, req.stops)
-            self.waiting.append(req)
-            self.metrics.queued = len(self.waiting)
-            self.cond.notify_all()
-
-    def cancel(self, req: GenRequest) -> None:
-        with self.cond:
-            req.cancelled = True
-            self.cond.notify_all()
-
-    # -- worker thread
-    def _finish(self, req: GenRequest, reason: str, status: str = "ok") -> None:
-        if req.slot is not None:
-            self.active.pop(req.slot, None)
-            try:
-                self.core.release(req.slot)
-            finally:
-                req.slot = None
-        if status == "ok":
-            req.emit(("done", reason, req.num_generated))
-        self.metrics.request(req.endpoint, status)
-        self.metrics.latency.observe(time.monotonic() - req.arrival)
-
-    def _fail(self, req: GenRequest, exc: BaseException) -> None:
-        traceback.print_exception(exc)
-        req.emit(("error", f"internal error while generating: {type(exc).__name__}: {exc}"))
-        try:
-            self._finish(req, "error", status="error")
-        except Exception as e:  # a failed release must not take the worker down
-            traceback.print_exception(e)
-
-    def _deliver(self, req: GenRequest, tokens: list[int], reason: str | None) -> None:
-        """New tokens for ``req``: text delta, stop strings, completion."""
-        if req.first_token_time is None and tokens:
-            req.first_token_time = time.monotonic()
-            self.metrics.ttft.observe(req.first_token_time - req.arrival)
-        req.num_generated += len(tokens)
-        with self.metrics.lock:
-            self.metrics.generation_tokens += len(tokens)
-        delta, hit = req.stream.feed(tokens)
-        if hit:
-            if delta:
-                req.emit(("text", delta))
-            self._finish(req, "stop")
-            return
-        if reason is not None:
-            delta += req.stream.flush()
-        if delta:
-            req.emit(("text", delta))
-        if reason is not None:
-            self._finish(req, reason)
-
-    def _start(self) -> bool:
-        """Run the loader; True once the engine can serve."""
-        try:
-            self.core, self.tokenizer = self.load()
-            self.metrics.set_max_acceptance(self.core.max_verify)
-        except Exception as e:
-            if not isinstance(e, StartupError):
-                traceback.print_exception(e)
-            self.error, self.state = str(e) or type(e).__name__, "failed"
-            if self.on_failure is not None:
-                self.on_failure(self.error)
-            return False
-        self.state = "ready"
-        self.ready.set()
-        return True
-
-    def _run(self) -> None:
-        if not self._start():
-            return
-        core = self.core
-        while True:
-            with self.cond:
-                while not self.stopping and not self.waiting and not self.active:
-                    self.cond.wait(timeout=1.0)
-                if self.stopping:
-                    return
-            try:
-                self._iteration(core)
-            except Exception as e:  # never let the worker die: fail what is in flight, start clean
-                traceback.print_exception(e)
-                for req in list(self.active.values()):
-                    req.slot = None  # the reset below frees every slot
-                    req.emit(("error", f"internal error while generating: {type(e).__name__}: {e}"))
-                    self.metrics.request(req.endpoint, "error")
-                self.active.clear()
-                try:
-                    core.reset()
-                except Exception as e2:
-                    traceback.print_exception(e2)
-
-    def _iteration(self, core: EngineCore) -> None:
-        for req in list(self.active.values()):
-            if req.cancelled:
-                self._finish(req, "cancelled", status="cancelled")
-        # Admit waiting requests into free slots.
-        while True:
-            with self.cond:
-                slot = core.free_slot()
-                if slot is None or not self.waiting:
-                    break
-                req = self.waiting.popleft()
-                self.metrics.queued = len(self.waiting)
-            if req.cancelled:
-                self._finish(req, "cancelled", status="cancelled")
-                continue
-            try:
-                first, reason = core.add(slot, req.prompt_ids, req.max_tokens, req.params)
-            except Exception as e:
-                try:
-                    core.release(slot)
-                finally:
-                    self._fail(req, e)
-                continue
-            req.slot = slot
-            self.active[slot] = req
-            with self.metrics.lock:
-                self.metrics.prompt_tokens += len(req.prompt_ids)
-            try:
-                self._deliver(req, [first], reason)
-            except Exception as e:
-                self._fail(req, e)
-        self.metrics.running = len(self.active)
-        if core.num_running() == 0:
-            return
-        start = time.perf_counter()
-        result = core.step()
-        self.metrics.record_step(result.accepted, time.perf_counter() - start)
-        for slot, tokens in result.tokens.items():
-            req = self.active.get(slot)
-            if req is None:
-                continue
-            try:
-                self._deliver(req, tokens, result.finished.get(slot))
-            except Exception as e:
-                self._fail(req, e)
-        self.metrics.running = len(self.active)
-
-
-# ----------------------------------------------------------------------------------------------
-# Request validation
-
-
-def _number(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise APIError(400, f"'{name}' must be a number, got {value!r}", param=name)
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise APIError(400, f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value!r}", param=name)
-    if hi is not None and value > hi:
-        raise APIError(400, f"'{name}' must be <= {hi}, got {value!r}", param=name)
-    return float(value)
-
-
-def _integer(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(400, f"'{name}' must be an integer, got {value!r}", param=name)
-    return value
-
-
-@dataclasses.dataclass
-class Sampling:
-    max_tokens: int | None
-    max_tokens_param: str  # the field the client set it with (max_tokens or max_completion_tokens)
-    params: SlotParams
-    stops: list[str]
-    stream: bool
-    include_usage: bool
-
-
-def parse_sampling(body: dict, chat: bool) -> Sampling:
-    n = _integer(body, "n")
-    if n is not None and n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    temperature = _number(body, "temperature", 1.0, lo=0.0, hi=100.0)
-    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
-    top_k = _integer(body, "top_k")
-    top_k = 0 if top_k is None or top_k == -1 else top_k
-    if top_k < 0:
-        raise APIError(400, f"'top_k' must be -1, 0 (disabled) or positive, got {top_k}", param="top_k")
-    seed = _integer(body, "seed")
-    max_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, max_param)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"'{max_param}' must be >= 1, got {max_tokens}", param=max_param)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0.0:
-            raise APIError(400, f"'{name}' is not supported (must be 0)", param=name)
-    if body.get("logprobs") not in (None, False, 0) or body.get("best_of") not in (None, 1):
-        raise APIError(400, "logprobs and best_of are not supported", param="logprobs")
-    stop = body.get("stop")
-    if stop is None:
-        stops = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        stops = list(stop)
-    else:
-        raise APIError(400, "'stop' must be a string or a list of at most 16 strings", param="stop")
-    stops = [s for s in stops if s]
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "'stream' must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", param="stream_options")
-    return Sampling(
-        max_tokens=max_tokens, max_tokens_param=max_param,
-        params=SlotParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed), stops=stops, stream=stream,
-        include_usage=bool(options.get("include_usage")),
-    )
-
-
-def _normalize_messages(messages: list) -> list[dict]:
-    """OpenAI messages → what HF chat templates expect (tool-call arguments as dicts, content strings)."""
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
-        m = dict(m)
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-                texts.append(part["text"])
-            m["content"] = "".join(texts)
-        elif content is None:
-            m["content"] = ""
-        elif not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of parts", param="messages")
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
-                args = fn.get("arguments")
-                if isinstance(args, str):
-                    try:
-                        fn["arguments"] = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError:
-                        pass
-                calls.append({**call, "function": fn})
-            m["tool_calls"] = calls
-        out.append(m)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,7 +81,7 @@ class Server:
                            param="model", code="model_not_found")
         return body
 
-    def _check_length(self, prompt_ids: list[int], s: Sampling, prompt_param: str) -> int:
+    def _check_length(self, prompt_ids: list[int], s: RequestOptions, prompt_param: str) -> int:
         """The completion budget: ``max_tokens`` if the context holds it after the prompt, else a 400 that
         names the field at fault (the prompt, or ``max_tokens`` with its cap); unset → all the room left."""
         ctx, n = self.engine.core.context_length, len(prompt_ids)
@@ -484,7 +104,7 @@ class Server:
                            param=s.max_tokens_param, code="context_length_exceeded")
         return s.max_tokens
 
-    def _submit(self, s: Sampling, prompt_ids: list[int], endpoint: str) -> GenRequest:
+    def _submit(self, s: RequestOptions, prompt_ids: list[int], endpoint: str) -> GenRequest:
         max_tokens = self._check_length(prompt_ids, s, "messages" if endpoint == "chat" else "prompt")
         req = GenRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, params=s.params, stops=s.stops,
                          loop=asyncio.get_running_loop(), endpoint=endpoint)
@@ -575,15 +195,15 @@ class Server:
             return JSONResponse({}, status_code=499)
         return "".join(parts), finish
 
-    def _stream_end(self, req: GenRequest, sampling: Sampling, head: dict) -> list[str]:
+    def _stream_end(self, req: GenRequest, sampling: RequestOptions, head: dict) -> list[str]:
         """The events after a stream's last choice: the usage chunk (if asked for) and ``[DONE]``."""
-        usage = [_sse({**head, "choices": [], "usage": self._usage(req)})] if sampling.include_usage else []
+        usage = [sse({**head, "choices": [], "usage": self._usage(req)})] if sampling.include_usage else []
         return usage + ["data: [DONE]\n\n"]
 
     async def completions(self, request: Request):
         try:
             body = await self._json(request)
-            s = parse_sampling(body, chat=False)
+            s = parse_options(body, chat=False)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
@@ -606,13 +226,13 @@ class Server:
             async def gen():
                 async for ev in self._events(req, request):
                     if ev[0] == "text":
-                        yield _sse({**head, "choices": [{"index": 0, "text": ev[1], "logprobs": None, "finish_reason": None}]})
+                        yield sse({**head, "choices": [{"index": 0, "text": ev[1], "logprobs": None, "finish_reason": None}]})
                     elif ev[0] == "done":
-                        yield _sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": ev[1]}]})
+                        yield sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": ev[1]}]})
                         for line in self._stream_end(req, s, head):
                             yield line
                     else:
-                        yield _sse_error(ev[1])
+                        yield sse_error(ev[1])
             return StreamingResponse(self._guard(req, gen()), media_type="text/event-stream")
 
         collected = await self._collect(req, request)
@@ -628,11 +248,11 @@ class Server:
     async def chat_completions(self, request: Request):
         try:
             body = await self._json(request)
-            s = parse_sampling(body, chat=True)
+            s = parse_options(body, chat=True)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise APIError(400, "'messages' is required: a non-empty list of messages", param="messages")
-            messages = _normalize_messages(messages)
+            messages = normalize_messages(messages)
             tools = body.get("tools")
             if tools is not None and not isinstance(tools, list):
                 raise APIError(400, "'tools' must be a list", param="tools")
@@ -668,7 +288,7 @@ class Server:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
             def chunk(delta: dict, finish=None) -> str:
-                return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+                return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
 
             def pieces(reasoning: str, content: str, calls: list) -> list[str]:
                 out = []
@@ -709,7 +329,7 @@ class Server:
                         for line in self._stream_end(req, s, head):
                             yield line
                     else:
-                        yield _sse_error(ev[1])
+                        yield sse_error(ev[1])
             return StreamingResponse(self._guard(req, gen()), media_type="text/event-stream")
 
         collected = await self._collect(req, request)

@@ -19,12 +19,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dspine_jax.drafter_config import build_target_layer_ids
-from dspine_jax.drafter_io import copy_target_layers, default_mask_token_id, init_drafter, save_drafter
-from dspine_jax.generate import enable_compilation_cache
-from dspine_jax.speculative import speculative_generate
-from dspine_jax.target import load_target
-from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax.decoding.planning import enable_compilation_cache
+from dspine_jax.decoding.speculative import speculative_generate
+from dspine_jax.drafters.config import build_target_layer_ids
+from dspine_jax.drafters.io import copy_target_layers, default_mask_token_id, init_drafter, save_drafter
+from dspine_jax.models.target import load_target
+from dspine_jax.models.tokenizer import load_tokenizer
 from dspine_jax.train.data import build_features, load_heldout
 from dspine_jax.train.loop import Dataset, TrainConfig, train
 

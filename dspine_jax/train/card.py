@@ -14,9 +14,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dspine_jax.drafter_io import save_drafter
-from dspine_jax.target import load_target
-
+from dspine_jax.drafters.io import save_drafter
+from dspine_jax.models.target import load_target
 from dspine_jax.train.__main__ import build_drafter, train_config
 from dspine_jax.train.data import load_sequences
 from dspine_jax.train.loop import loss_decay_gamma, make_optimizer, restore_state, split_params, training_drafter_config

@@ -52,12 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from dspine_jax import target as tgt
-from dspine_jax.drafter_config import build_target_layer_ids
-from dspine_jax.generate import enable_compilation_cache, finish_reasons, plan_request
-from dspine_jax.sampling import sample
-from dspine_jax.target import Target, load_target
-from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax.decoding.planning import enable_compilation_cache, finish_reasons, plan_request
+from dspine_jax.decoding.sampling import sample
+from dspine_jax.drafters.config import build_target_layer_ids
+from dspine_jax.models import target as tgt
+from dspine_jax.models.target import Target, load_target
+from dspine_jax.models.tokenizer import load_tokenizer
 from dspine_jax.train.data import (
     DOMAINS,
     FINISH_CODES,
@@ -66,12 +66,12 @@ from dspine_jax.train.data import (
     collect_prompts,
     default_data_dir,
     encode_messages,
+    features_dir,
     load_sequences,
     prompt_key,
     read_plan,
     reasoning_gym_questions,
     shakespeare_texts,
-    features_dir,
     shard_paths,
     stack_features,
     write_shard_features,

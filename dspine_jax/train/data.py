@@ -45,12 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from dspine_jax import target as tgt
-from dspine_jax.drafter_config import build_target_layer_ids
-from dspine_jax.generate import generate
-from dspine_jax.hub import default_cache_dir
-from dspine_jax.target import load_target
-from dspine_jax.tokenizer import load_tokenizer
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.drafters.config import build_target_layer_ids
+from dspine_jax.models import target as tgt
+from dspine_jax.models.hub import default_cache_dir
+from dspine_jax.models.target import load_target
+from dspine_jax.models.tokenizer import load_tokenizer
 
 DOMAINS = ("code", "math", "chat", "prose")
 HELDOUT_SEED = 20261129

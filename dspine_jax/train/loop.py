@@ -27,9 +27,9 @@ import orbax.checkpoint as ocp
 from jax import Array
 from tqdm import tqdm
 
-from dspine_jax.drafter import DFlash, Drafter, drafter_kind
-from dspine_jax.drafter_config import DrafterConfig, with_dspine_settings
-from dspine_jax.dspine import DSpine, head_rows
+from dspine_jax.drafters.config import DrafterConfig, with_dspine_settings
+from dspine_jax.drafters.drafter import DFlash, Drafter, drafter_kind
+from dspine_jax.drafters.dspine import DSpine, head_rows
 from dspine_jax.train.losses import (
     alignment_terms,
     ce_terms,

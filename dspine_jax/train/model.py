@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from dspine_jax.drafter import Attend, Drafter, Replacement, context_kv, embed_block, fuse_context
-from dspine_jax.layers import MASK_VALUE, rope_cos_sin
+from dspine_jax.drafters.drafter import Attend, Drafter, context_kv, embed_block, fuse_context
+from dspine_jax.models.layers import MASK_VALUE, rope_cos_sin
 
 
 class TrainForward(NamedTuple):

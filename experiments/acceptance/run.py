@@ -33,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flax import struct  # noqa: E402
 
-from dspine_jax import drafter as D  # noqa: E402
-from dspine_jax.drafter_io import load_drafter  # noqa: E402
-from dspine_jax.generate import enable_compilation_cache, generate  # noqa: E402
-from dspine_jax.speculative import DrafterProposer, speculative_generate  # noqa: E402
-from dspine_jax.target import load_target  # noqa: E402
+from dspine_jax.decoding.autoregressive import generate  # noqa: E402
+from dspine_jax.decoding.planning import enable_compilation_cache
+from dspine_jax.decoding.speculative import DrafterProposer, speculative_generate  # noqa: E402
+from dspine_jax.drafters import drafter as D  # noqa: E402
+from dspine_jax.drafters.io import load_drafter  # noqa: E402
+from dspine_jax.models.target import load_target  # noqa: E402
 from dspine_jax.train.data import DOMAINS, default_data_dir, load_heldout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,13 +52,13 @@ class AblatedProposer(DrafterProposer):
 
     inject: bool = struct.field(pytree_node=False, default=True)
 
-    def propose(self, target, state, anchor, counts, key, temperature, num, top_p=1.0, top_k=0):
+    def propose(self, target, state, anchor, counts, keys, sampling, num):
         drafter = self.drafter
         if num + 1 < drafter.config.block_size:
             drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
         fwd = D.forward(drafter, target, state, D.block_tokens(drafter, anchor), inject=self.inject)
         unary = drafter.replace(config=dataclasses.replace(drafter.config, kind="dflash"))
-        out = D.decode(unary, target, fwd, anchor, key, temperature, top_p, top_k)
+        out = D.decode(unary, target, fwd, anchor, keys, sampling)
         return D.DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
 
 
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
     if args.outside:
         from outside import outside_prompts
 
-        from dspine_jax.tokenizer import load_tokenizer
+        from dspine_jax.models.tokenizer import load_tokenizer
 
         outside = outside_prompts(load_tokenizer(args.target), data, default_data_dir(), args.outside)
         o_prompts = [r["prompt_ids"] for d in domains for r in outside[d]]

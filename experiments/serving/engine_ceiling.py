@@ -19,16 +19,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.experimental import io_callback
-
-from dspine_jax.drafter import DraftOutput
-from dspine_jax.generate import generate
-from dspine_jax.serve import engine as eng
-from dspine_jax.serve.engine import EngineCore, SlotParams
-from dspine_jax.drafter_io import load_draft
-from dspine_jax.target import load_target
-from dspine_jax.tokenizer import load_tokenizer
 from load import FALLBACK_PROMPTS  # experiments/serving/load.py (this script's directory is on sys.path)
+
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.speculative import DrafterProposer
+from dspine_jax.drafters.drafter import DraftOutput
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models.target import load_target
+from dspine_jax.models.tokenizer import load_tokenizer
+from dspine_jax.serve.engine import EngineCore, SlotParams
 
 PROMPTS = FALLBACK_PROMPTS  # the HTTP load test's built-in prompts
 
@@ -57,20 +58,23 @@ def main() -> None:
         seqs[i, : len(p) + len(r)] = p + r
     seqs_dev = jnp.asarray(seqs)
     mapping = np.zeros(args.slots, np.int32)
-    real_draft = eng.draft_rows
-    correct = {"a": 0}
+    @struct.dataclass
+    class Oracle(DrafterProposer):
+        """Pays the real draft cost, then proposes the reference continuation, wrong at slot ``a`` (static:
+        each ``a`` compiles its own step)."""
 
-    def oracle(drafter, target, cache, anchor, keys, temperature, num):
-        out = real_draft(drafter, target, cache, anchor, keys, temperature, num)  # pay the real draft cost
-        rows = io_callback(lambda: mapping.copy(), jax.ShapeDtypeStruct((args.slots,), jnp.int32))
-        rows = rows[: cache.lengths.shape[0]]
-        pos = cache.lengths[:, None] + 1 + jnp.arange(num)[None, :]
-        tokens = jnp.take_along_axis(seqs_dev[rows], jnp.clip(pos, 0, width - 1), axis=1)
-        wrong = jnp.arange(num)[None, :] == correct["a"]
-        tokens = jnp.where(wrong, (tokens + 1) % target.config.vocab_size, tokens).astype(jnp.int32)
-        return DraftOutput(tokens=tokens, cand_ids=out.cand_ids, q=out.q)
+        a: int = struct.field(pytree_node=False, default=0)
 
-    eng.draft_rows = oracle
+        def propose(self, target, cache, anchor, counts, keys, sampling, num):
+            out = super().propose(target, cache, anchor, counts, keys, sampling, num)
+            rows = io_callback(lambda: mapping.copy(), jax.ShapeDtypeStruct((args.slots,), jnp.int32))
+            rows = rows[: cache.lengths.shape[0]]
+            pos = cache.lengths[:, None] + 1 + jnp.arange(num)[None, :]
+            tokens = jnp.take_along_axis(seqs_dev[rows], jnp.clip(pos, 0, width - 1), axis=1)
+            wrong = jnp.arange(num)[None, :] == self.a
+            tokens = jnp.where(wrong, (tokens + 1) % target.config.vocab_size, tokens).astype(jnp.int32)
+            return DraftOutput(tokens=tokens, cand_ids=out.cand_ids, q=out.q)
+
     drafter = load_draft("init:dspine", target)
     records = []
     for config in args.configs:
@@ -78,10 +82,8 @@ def main() -> None:
             core = EngineCore(target, None, num_slots=args.slots, context_length=args.context_length, stop_ids=[])
         else:
             t, a = (int(x) for x in config[1:].split("a"))
-            correct["a"] = a
-            eng.step.clear_cache()  # the oracle's `a` is baked in at trace time
             core = EngineCore(target, drafter, num_slots=args.slots, context_length=args.context_length,
-                              verify_len=t, stop_ids=[])
+                              verify_len=t, stop_ids=[], proposer=Oracle(drafter, a=a))
         for c in args.concurrency:
             # Warm-up (compile) pass on the same shapes, then the timed pass.
             for timed in (False, True):

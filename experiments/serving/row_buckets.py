@@ -5,9 +5,9 @@
 
 import time
 
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models.target import load_target
 from dspine_jax.serve.engine import EngineCore, SlotParams
-from dspine_jax.drafter_io import load_draft
-from dspine_jax.target import load_target
 
 target = load_target("smollm2-135m-instruct")
 drafter = load_draft("init:dspine", target)

@@ -4,5 +4,5 @@
   (causal or bidirectional); online softmax over KV tiles, invisible tiles skipped.
 * ``transition_cache`` — fused last-write refinement + candidate scoring → the ``[B, P, C, C]`` table.
 * ``dispatch``         — which path runs: ``DSPINE_KERNELS=auto|pallas|interpret|reference``,
-  ``dispatch.set_mode`` / ``dispatch.force``; ``dspine_jax.drafter`` calls the kernels through it.
+  ``dispatch.set_mode`` / ``dispatch.force``; ``dspine_jax.drafters.drafter`` calls the kernels through it.
 """

@@ -1,6 +1,6 @@
 """Sliding-window draft attention: a block of T queries over the drafter's context ring + the block itself.
 
-Semantics (exactly ``dspine_jax.drafter._visible`` + ``_block_attention``; see drafter.py's module doc):
+Semantics (the reference path below, ``visible_mask`` + the joint softmax; see ``dspine_jax/drafters/drafter.py``'s module doc):
 
 * q ``[B, T, N, D]`` (block queries, after q_norm + RoPE), the layer's context ring ctx_k/ctx_v
   ``[B, K, S, D]`` (heads-major; position p lives in slot p mod S), the block's own k/v ``[B, T, K, D]``,
@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 
 from kernels.pallas import dispatch
 
-# Finite "minus infinity", the same constant as dspine_jax.layers.MASK_VALUE (kernels/ does not import the
+# Finite "minus infinity", the same constant as dspine_jax.models.layers.MASK_VALUE (kernels/ does not import the
 # library, which imports the kernels).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 

@@ -16,7 +16,7 @@ cache, and drafts a whole block in one forward::
 
     cache = init_draft_cache(drafter, batch, capacity)                  # empty, lengths = 0
     cache = append_context(drafter, cache, tapped, num_new)             # tapped [n, B, T, H], num_new [B]
-    out   = draft(drafter, target, cache, anchor, key, temperature, top_p, top_k)  # anchor [B] int32
+    out   = draft(drafter, target, cache, anchor, keys, sampling)       # anchor [B] int32, keys [B], Sampling
     out.tokens   [B, P]     int32    proposals for block slots 1…P (P = block_size - 1)
     out.cand_ids [B, P, C]  int32    the candidates each proposal was drawn from
     out.q        [B, P, C]  float32  draft distribution over those candidates (zero mass elsewhere;
@@ -72,12 +72,12 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax.cache import KV_AXES, LENGTHS_AXES, sharded_zeros
-from dspine_jax.drafter_config import DrafterConfig, drafter_kind, register_drafter_kind
-from dspine_jax.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
-from dspine_jax.mesh import per_device, weight
-from dspine_jax.sampling import process_logits
-from dspine_jax.target import Target, lm_logits
+from dspine_jax.decoding.sampling import Sampling, categorical_rows, process_rows, split_rows
+from dspine_jax.drafters.config import DrafterConfig, drafter_kind, register_drafter_kind
+from dspine_jax.models.cache import KV_AXES, LENGTHS_AXES, sharded_zeros
+from dspine_jax.models.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from dspine_jax.models.target import Target, lm_logits
+from dspine_jax.parallel.mesh import per_device, weight
 from kernels.pallas import draft_attention as _attention_kernel
 
 # ----------------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class Replacement(NamedTuple):
 # against whatever context the caller keeps (the ring cache at inference, the whole sequence in training)
 # and against the block's own keys. T' = A·T when A blocks run side by side.
 Attend = Callable[[int, Array, Array, Array], Array]
-# ``choose(scores [B, C], key) → (index [B], q [B, C])``: one slot's pick and the distribution it drew from.
+# ``choose(scores [B, C], keys [B]) → (index [B], q [B, C])``: one slot's pick and the distribution it drew from.
 Choose = Callable[[Array, Array], tuple[Array, Array]]
 
 
@@ -338,16 +338,15 @@ def unary_logits(drafter: Drafter, target: Target, hidden: Array) -> Array:
     return logits
 
 
-def choose(scores: Array, key: Array, temperature: Array) -> tuple[Array, Array]:
-    """Pick one candidate per row of ``scores [B, C]``: argmax at ``temperature <= 0``, else a sample from
-    ``softmax(scores / temperature)``. Returns index ``[B]`` and the distribution used ``[B, C]``
-    (one-hot at temperature 0)."""
-    temperature = jnp.asarray(temperature, jnp.float32)
+def choose(scores: Array, keys: Array, temperature: Array) -> tuple[Array, Array]:
+    """Pick one candidate per row of ``scores [B, C]`` with the row's own key and temperature (``[B]``):
+    argmax where ``temperature <= 0``, else a sample from ``softmax(scores / temperature)``. Returns index
+    ``[B]`` and the distribution used ``[B, C]`` (one-hot for greedy rows)."""
     greedy = temperature <= 0
-    scaled = scores / jnp.where(greedy, 1.0, temperature)
+    scaled = scores / jnp.where(greedy, 1.0, temperature)[:, None]
     best = jnp.argmax(scores, axis=-1)
-    index = jnp.where(greedy, best, jax.random.categorical(key, scaled, axis=-1))
-    q = jnp.where(greedy, jax.nn.one_hot(best, scores.shape[-1], dtype=jnp.float32), jax.nn.softmax(scaled, axis=-1))
+    index = jnp.where(greedy, best, categorical_rows(keys, scaled))
+    q = jnp.where(greedy[:, None], jax.nn.one_hot(best, scores.shape[-1], dtype=jnp.float32), jax.nn.softmax(scaled, axis=-1))
     return index.astype(jnp.int32), q
 
 
@@ -472,20 +471,19 @@ class DFlash:
         index, q = jax.vmap(pick, in_axes=(1, 0), out_axes=(1, 1))(cands.scores, slot_keys)
         return jnp.take_along_axis(cands.cand_ids, index[..., None], axis=-1)[..., 0], q
 
-    def decode(
-        self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, key: Array, temperature: Array,
-        top_p: Array | float = 1.0, top_k: int = 0,
-    ) -> DraftOutput:
+    def decode(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, keys: Array, sampling: Sampling) -> DraftOutput:
         """z-lab samples each slot from the target's sampling transform (temperature, then top-k, then
-        top-p), so q has the same support as p. Greedy stays the argmax: the filters keep the top logit."""
+        top-p), so q has the same support as p. Greedy rows stay the argmax: the filters keep the top logit."""
         cands = self.candidates(drafter, target, fwd, anchor)
-        temperature = jnp.asarray(temperature, jnp.float32)
-        greedy = temperature <= 0
-        scores = process_logits(cands.scores, jnp.where(greedy, 1.0, temperature), top_p, top_k)
-        unit = jnp.where(greedy, 0.0, 1.0)  # the temperature is already applied
-        slot_keys = jax.random.split(key, scores.shape[1])
-        tokens, q = self.select(cands.replace(scores=scores), slot_keys, lambda s, k: choose(s, k, unit))
+        scores = process_rows(cands.scores, sampling)  # the temperature is applied here
+        unit = jnp.where(sampling.greedy, 0.0, 1.0)
+        tokens, q = self.select(cands.replace(scores=scores), slot_keys(keys, scores.shape[1]), lambda s, k: choose(s, k, unit))
         return DraftOutput(tokens=tokens, cand_ids=cands.cand_ids, q=q)
+
+
+def slot_keys(keys: Array, num: int) -> Array:
+    """Per-row keys ``[B]`` → one key per slot and row ``[P, B]`` (the leading axis ``select`` walks)."""
+    return jnp.moveaxis(split_rows(keys, num), 1, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,25 +502,17 @@ def forward(drafter: Drafter, target: Target, cache: DraftCache, tokens: Array, 
     return BlockForward(hidden=fwd.hidden[:, 0], pre_injection=fwd.pre_injection[:, 0])
 
 
-def decode(
-    drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, key: Array, temperature: Array,
-    top_p: Array | float = 1.0, top_k: int = 0,
-) -> DraftOutput:
-    """Proposals for slots 1..P from one block forward (the kind's decode head; module doc).
-
-    ``top_p`` (traced) and ``top_k`` (static) are the sampling filters of the target's distribution; the
-    DFlash draft distribution uses the same ones (DSpine's walk ignores them)."""
-    return drafter.kind.decode(drafter, target, fwd, anchor, key, temperature, top_p, top_k)
+def decode(drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, keys: Array, sampling: Sampling) -> DraftOutput:
+    """Proposals for slots 1..P from one block forward (the kind's decode head; module doc). ``keys [B]``
+    and ``sampling`` (per row) are the target's sampling parameters: the DFlash draft distribution uses
+    the same filters (DSpine's walk ignores them)."""
+    return drafter.kind.decode(drafter, target, fwd, anchor, keys, sampling)
 
 
-def draft(
-    drafter: Drafter, target: Target, cache: DraftCache, anchor: Array, key: Array, temperature: Array,
-    top_p: Array | float = 1.0, top_k: int = 0,
-) -> DraftOutput:
-    """One round's draft: ``anchor [B]`` at position ``cache.lengths`` → ``DraftOutput`` (module doc).
-    Under ``jax.jit`` pass ``top_k`` as a static argument."""
+def draft(drafter: Drafter, target: Target, cache: DraftCache, anchor: Array, keys: Array, sampling: Sampling) -> DraftOutput:
+    """One round's draft: ``anchor [B]`` at position ``cache.lengths`` → ``DraftOutput`` (module doc)."""
     fwd = forward(drafter, target, cache, block_tokens(drafter, anchor))
-    return decode(drafter, target, fwd, anchor, key, temperature, top_p, top_k)
+    return decode(drafter, target, fwd, anchor, keys, sampling)
 
 
 def q_full(out: DraftOutput, vocab_size: int) -> Array:

@@ -48,7 +48,7 @@ __all__ = [
     "unpermute_qk",
 ]
 
-_LOG_PREFIX = "[dspine_jax.hub]"
+_LOG_PREFIX = "[dspine_jax.models.hub]"
 
 
 @dataclasses.dataclass(frozen=True)

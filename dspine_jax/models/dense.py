@@ -17,12 +17,12 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax.cache import KVCache, init_kv_cache
-from dspine_jax.config import DENSE_TARGET_TYPES, TargetConfig, dense_config_from_dict
-from dspine_jax.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps
-from dspine_jax.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin
-from dspine_jax.mesh import weight
-from dspine_jax.weights import cast_params, check_consumed, hf_causal_lm_tensors, take, take_embedding_and_head
+from dspine_jax.models.cache import KVCache, init_kv_cache
+from dspine_jax.models.config import DENSE_TARGET_TYPES, TargetConfig, dense_config_from_dict
+from dspine_jax.models.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps
+from dspine_jax.models.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin
+from dspine_jax.models.weights import cast_params, check_consumed, hf_causal_lm_tensors, take, take_embedding_and_head
+from dspine_jax.parallel.mesh import weight
 
 
 @struct.dataclass

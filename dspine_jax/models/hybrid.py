@@ -29,13 +29,13 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax import gdn
-from dspine_jax.cache import HybridCache, init_hybrid_cache
-from dspine_jax.config import HYBRID_TARGET_TYPES, MOE_HYBRID_TYPES, HybridConfig, hybrid_config_from_dict
-from dspine_jax.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps
-from dspine_jax.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
-from dspine_jax.mesh import weight
-from dspine_jax.weights import cast_params, check_consumed, hf_causal_lm_tensors, take, take_embedding_and_head
+from dspine_jax.models import gdn
+from dspine_jax.models.cache import HybridCache, init_hybrid_cache
+from dspine_jax.models.config import HYBRID_TARGET_TYPES, MOE_HYBRID_TYPES, HybridConfig, hybrid_config_from_dict
+from dspine_jax.models.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps
+from dspine_jax.models.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
+from dspine_jax.models.weights import cast_params, check_consumed, hf_causal_lm_tensors, take, take_embedding_and_head
+from dspine_jax.parallel.mesh import weight
 
 FULL = "full_attention"
 LINEAR = "linear_attention"

@@ -10,7 +10,7 @@ only sees slots ``≤ p``, all of which were written before the query ran.
 the recurrent state. Unlike K/V these are *not* position-indexed: a block forward advances them past
 every token of the block. ``commit(n)`` therefore only keeps the state consistent when ``n`` equals
 the block length (autoregressive decoding); a speculative round that keeps a shorter prefix must
-rewind them with ``hybrid.replay`` (which also commits), see dspine_jax/hybrid.py.
+rewind them with ``hybrid.replay`` (which also commits), see dspine_jax/models/hybrid.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax.config import HybridConfig, TargetConfig
-from dspine_jax.mesh import constrain
+from dspine_jax.models.config import HybridConfig, TargetConfig
+from dspine_jax.parallel.mesh import constrain
 
-# Logical layouts (dspine_jax/mesh.py): rows over ``data``, KV / value heads over ``model``.
+# Logical layouts (dspine_jax/parallel/mesh.py): rows over ``data``, KV / value heads over ``model``.
 KV_AXES = ("batch", "kv_heads", None, None)  # [B, K, S, D]
 LENGTHS_AXES = ("batch",)
 

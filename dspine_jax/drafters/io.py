@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from dspine_jax import dspine  # noqa: F401  (importing it registers the DSpine kind)
-from dspine_jax.drafter import Drafter, DrafterLayer, DrafterParams
-from dspine_jax.drafter_config import (
+from dspine_jax.drafters import dspine  # noqa: F401  (importing it registers the DSpine kind)
+from dspine_jax.drafters.config import (
     DrafterConfig,
     DrafterConfigError,
     build_target_layer_ids,
@@ -40,8 +39,9 @@ from dspine_jax.drafter_config import (
     drafter_kinds,
     load_drafter_config,
 )
-from dspine_jax.target import Target, resolve_dtype
-from dspine_jax.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
+from dspine_jax.drafters.drafter import Drafter, DrafterLayer, DrafterParams
+from dspine_jax.models.target import Target, resolve_dtype
+from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
 
 # (our DrafterLayer field, torch suffix under layers.{i}., transpose to [in, out]?)
 _LAYER_SPEC: tuple[tuple[str, str, bool], ...] = (
@@ -400,7 +400,7 @@ def draft_block_size(spec: str | os.PathLike) -> int:
     return load_drafter_config(text).block_size
 
 
-def load_draft(spec: str | os.PathLike, target: tgt.Target, dtype: str | None = None) -> Drafter:
+def load_draft(spec: str | os.PathLike, target: Target, dtype: str | None = None) -> Drafter:
     """A ``--draft`` CLI value → Drafter: a checkpoint directory (``load_drafter``), or ``init:dspine`` /
     ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
     seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists."""

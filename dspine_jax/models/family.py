@@ -26,7 +26,7 @@ from typing import Any, Callable, NamedTuple
 import jax.numpy as jnp
 from jax import Array
 
-from dspine_jax.config import TargetConfig, UnsupportedModelError, as_id_tuple, read_config_json
+from dspine_jax.models.config import TargetConfig, UnsupportedModelError, as_id_tuple, read_config_json
 
 
 class TargetForward(NamedTuple):

@@ -10,8 +10,8 @@ Flow of a round (DESIGN.md §4), for every row of the batch at once, static shap
 3. **Accept**: greedy — the longest prefix where proposal == target argmax, plus the target's token at
    the first mismatch (the bonus). T > 0 — lossless speculative sampling: proposal i is kept with
    probability ``min(1, p/q)``; at the first rejection the token is drawn from ``normalise(max(0, p-q))``,
-   after a full accept the bonus is drawn from ``p``. ``p`` is ``sampling_probs`` (temperature, top-k,
-   top-p exactly as plain sampling).
+   after a full accept the bonus is drawn from ``p``. ``p`` is ``process_rows`` (temperature, top-k,
+   top-p exactly as plain sampling, with every row's own parameters).
 4. **Commit**: the row keeps ``n_keep`` block tokens (anchor + accepted proposals, cut at a stop id,
    ``max_new_tokens`` or the capacity): ``target.replay`` (``cache.commit`` for dense targets, GDN
    recurrent-state replay for hybrids) and the proposer appends those tokens' target features.
@@ -46,11 +46,11 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax import target as tgt
-from dspine_jax.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache
-from dspine_jax.drafter_io import check_compatible
-from dspine_jax.planning import CompileTimer, GenerationResult, finish_reasons, plan_request, round_up
-from dspine_jax.sampling import sample, sampling_probs
+from dspine_jax.decoding.planning import CompileTimer, GenerationResult, finish_reasons, plan_request, round_up
+from dspine_jax.decoding.sampling import Sampling, categorical_rows, process_rows, sample, split_rows
+from dspine_jax.drafters.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache
+from dspine_jax.drafters.io import check_compatible
+from dspine_jax.models import target as tgt
 
 TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
 STOP_BUCKET = 8  # stop ids are padded with -1 to a multiple of this, so their count does not recompile
@@ -81,12 +81,12 @@ class Proposer(Protocol):
         ...
 
     def propose(
-        self, target: tgt.Target, state: Any, anchor: Array, counts: Array, key: Array, temperature: Array, num: int,
-        top_p: Array | float = 1.0, top_k: int = 0,
+        self, target: tgt.Target, state: Any, anchor: Array, counts: Array, keys: Array, sampling: Sampling, num: int
     ) -> DraftOutput:
-        """``anchor [B]``, ``counts [B]`` tokens generated so far (the anchor is the last of them) →
-        ``num`` proposals per row with their draft distribution (ignored at temperature 0). ``top_p`` /
-        ``top_k``: the target's sampling filters, for proposers that draw from the same transform."""
+        """``anchor [B]``, ``counts [B]`` tokens generated so far (the anchor is the last of them), one key
+        per row ``keys [B]`` → ``num`` proposals per row with their draft distribution (ignored for greedy
+        rows). ``sampling``: the rows' own parameters, filters included, for proposers that draw from the
+        target's transform (greedy rows come without filters)."""
         ...
 
     def commit(self, target: tgt.Target, state: Any, tapped: Array, num_new: Array) -> Any:
@@ -111,15 +111,14 @@ class DrafterProposer:
         return append_context(self.drafter, state, tapped, lengths)
 
     def propose(
-        self, target: tgt.Target, state, anchor: Array, counts: Array, key: Array, temperature: Array, num: int,
-        top_p: Array | float = 1.0, top_k: int = 0,
+        self, target: tgt.Target, state, anchor: Array, counts: Array, keys: Array, sampling: Sampling, num: int
     ) -> DraftOutput:
         drafter = self.drafter
         # A causal drafter's first `num` slots do not depend on later ones: draft a shorter block
         # (cheaper). A bidirectional one was trained on its full block: draft it all, verify a prefix.
         if num + 1 < drafter.config.block_size and all(drafter.config.layer_causal):
             drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
-        out = draft(drafter, target, state, anchor, key, temperature, top_p, top_k)
+        out = draft(drafter, target, state, anchor, keys, sampling)
         return DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
 
     def commit(self, target: tgt.Target, state, tapped: Array, num_new: Array):
@@ -151,8 +150,7 @@ class OracleProposer:
         return state
 
     def propose(
-        self, target: tgt.Target, state: Array, anchor: Array, counts: Array, key: Array, temperature: Array, num: int,
-        top_p: Array | float = 1.0, top_k: int = 0,
+        self, target: tgt.Target, state: Array, anchor: Array, counts: Array, keys: Array, sampling: Sampling, num: int
     ) -> DraftOutput:
         slots = jnp.arange(num)[None, :]  # [1, P]
         index = jnp.clip(counts[:, None] + slots, 0, self.reference.shape[1] - 1)  # [B, P]
@@ -164,6 +162,28 @@ class OracleProposer:
 
     def commit(self, target: tgt.Target, state: Array, tapped: Array, num_new: Array) -> Array:
         return state + 1
+
+
+@struct.dataclass
+class NoProposer:
+    """No drafting: rounds of ``T = 1`` are plain autoregressive decode steps (the engine's
+    ``--no-speculative``)."""
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return ()
+
+    def init(self, target: tgt.Target, batch: int, capacity: int) -> None:
+        return None
+
+    def prefill(self, target: tgt.Target, state: None, tapped: Array, lengths: Array) -> None:
+        return state
+
+    def propose(self, *args: Any) -> DraftOutput:
+        raise ValueError("NoProposer drafts nothing: run it with verify_len 1")
+
+    def commit(self, target: tgt.Target, state: None, tapped: Array, num_new: Array) -> None:
+        return state
 
 
 def as_proposer(drafter: Drafter | Proposer) -> Proposer:
@@ -191,23 +211,25 @@ def accept_greedy(logits: Array, proposals: Array) -> tuple[Array, Array]:
     return choice, accepted
 
 
-def accept_sampling(
-    key: Array, logits: Array, proposal: DraftOutput, temperature: Array, top_p: Array, top_k: int
-) -> tuple[Array, Array]:
-    """Lossless speculative sampling. logits ``[B, T, V]``, proposal tokens/cand_ids/q ``[B, P(, C)]``
-    → emitted ``[B, T]`` (valid up to ``accepted``), accepted ``[B]``.
+def accept_sampling(keys: Array, logits: Array, proposal: DraftOutput | None, sampling: Sampling) -> tuple[Array, Array]:
+    """Lossless speculative sampling with every row's own key (``keys [B]``) and parameters. logits
+    ``[B, T, V]``, proposal tokens/cand_ids/q ``[B, P(, C)]`` (None when T = 1: plain sampling) → emitted
+    ``[B, T]`` (valid up to ``accepted``), accepted ``[B]``.
 
-    Each kept token (and the final one) is distributed exactly as plain sampling from ``sampling_probs``.
-    """
-    tokens, cand_ids, q = proposal.tokens, proposal.cand_ids, proposal.q
+    Each kept token (and the final one) is distributed exactly as plain sampling from ``process_rows``
+    (the rows must be sampled ones: temperature > 0)."""
     b, t, _ = logits.shape
     p_num = t - 1
-    key_accept, key_final = jax.random.split(key)
-    p = sampling_probs(logits, temperature, top_p, top_k)  # [B, T, V]
+    both = split_rows(keys, 2)
+    key_accept, key_final = both[:, 0], both[:, 1]
+    p = jax.nn.softmax(process_rows(logits, sampling), axis=-1)  # [B, T, V]
+    if p_num == 0:
+        return categorical_rows(key_final, jnp.log(p[:, 0]))[:, None], jnp.zeros((b,), jnp.int32)
+    tokens, cand_ids, q = proposal.tokens, proposal.cand_ids, proposal.q
     p_x = jnp.take_along_axis(p[:, :-1], tokens[..., None], axis=-1)[..., 0]  # [B, P]
     q_x = jnp.sum(jnp.where(cand_ids == tokens[..., None], q, 0.0), axis=-1)  # [B, P]
     # Keep with probability min(1, p/q): u·q < p with u ~ U[0, 1) (never keeps a token with p = 0).
-    u = jax.random.uniform(key_accept, (b, p_num), jnp.float32)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (p_num,), jnp.float32))(key_accept)
     ok = u * q_x < p_x
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
 
@@ -219,11 +241,98 @@ def accept_sampling(
     # After a full accept: the bonus from p. A rejection implies the residual has mass; the guard only
     # catches rounding to an all-zero residual.
     use_p = (accepted == p_num) | (jnp.sum(residual, axis=-1) <= 0.0)
-    final_dist = jnp.where(use_p[:, None], p_stop, residual)
-    final = jax.random.categorical(key_final, jnp.log(final_dist), axis=-1).astype(jnp.int32)  # [B]
+    final = categorical_rows(key_final, jnp.log(jnp.where(use_p[:, None], p_stop, residual)))  # [B]
     emitted = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(jnp.arange(t)[None, :] == accepted[:, None], final[:, None], emitted)
     return emitted, accepted
+
+
+# ----------------------------------------------------------------------------------------------
+# One round: what the batch loop below and the serving engine both run
+
+
+@struct.dataclass
+class RoundState:
+    """Everything a round reads and updates, per row: the caches, the anchor (last emitted token, not yet
+    in the target cache), whether the row runs, how many tokens it may still emit, its PRNG key."""
+
+    cache: Any  # the target's cache [B, …]
+    proposer_state: Any  # the proposer's own per-row state (a drafter's context ring)
+    anchor: Array  # [B] int32
+    running: Array  # [B] bool
+    remaining: Array  # [B] int32, ≥ 1 for running rows
+    keys: Array  # [B] typed PRNG keys
+
+
+@struct.dataclass
+class RoundOutput:
+    emitted: Array  # [B, T] the round's tokens; row b's first n_keep[b] are its output
+    n_keep: Array  # [B] tokens added to the output (0 for rows that do not run)
+    accepted: Array  # [B] proposals verification accepted, before stop / budget cuts
+    hit_stop: Array  # [B] the kept tokens end on a stop id
+
+
+def speculative_round(
+    target: tgt.Target, proposer: Proposer, state: RoundState, sampling: Sampling, stop_ids: Array, counts: Array,
+    *, verify_len: int, all_greedy: bool,
+) -> tuple[RoundState, RoundOutput]:
+    """One round (module doc) for every row: draft ``T - 1`` proposals (none at ``T = 1``, a plain decode
+    step), verify ``[B, T]``, accept (greedy rows: longest argmax prefix + bonus; sampled rows: lossless
+    speculative sampling with their own parameters), cut at the first stop id (``stop_ids [K]``, -1 =
+    padding) and at each row's remaining budget, commit the kept tokens to both caches.
+
+    ``counts [B]``: tokens each row has emitted (for proposers that index a reference). ``all_greedy``
+    (static) compiles out the sampling path; otherwise it runs only when some running row samples."""
+    t = verify_len
+    b = state.anchor.shape[0]
+    split = split_rows(state.keys, 3)
+    key_next, key_draft, key_accept = split[:, 0], split[:, 1], split[:, 2]
+    greedy = jnp.ones((b,), bool) if all_greedy else sampling.greedy
+    # Greedy rows draft greedily and without filters (a filter never removes the argmax).
+    draft_sampling = Sampling.rows(b) if all_greedy else Sampling(
+        temperature=jnp.where(greedy, 0.0, sampling.temperature), top_p=jnp.where(greedy, 1.0, sampling.top_p),
+        top_k=jnp.where(greedy, 0, sampling.top_k),
+    )
+    slots = jnp.arange(t)[None, :]  # [1, T]
+
+    # 1. draft
+    proposal = None
+    block = state.anchor[:, None]
+    if t > 1:
+        proposal = proposer.propose(target, state.proposer_state, state.anchor, counts, key_draft, draft_sampling, t - 1)
+        block = jnp.concatenate([block, proposal.tokens.astype(jnp.int32)], axis=1)  # [B, T]
+    # 2. verify
+    hidden, tapped, cache, saved = tgt.forward(target, state.cache, block, proposer.taps)
+    logits = tgt.lm_logits(target, hidden)  # [B, T, V] f32
+    # 3. accept
+    if t > 1:
+        emitted, accepted = accept_greedy(logits, proposal.tokens)
+    else:
+        emitted, accepted = jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((b,), jnp.int32)
+    if not all_greedy:
+        sampled = state.running & ~greedy
+
+        def sample_path(_):
+            e, a = accept_sampling(key_accept, logits, proposal, sampling)
+            return jnp.where(sampled[:, None], e, emitted), jnp.where(sampled, a, accepted)
+
+        emitted, accepted = jax.lax.cond(jnp.any(sampled), sample_path, lambda _: (emitted, accepted), None)
+    # 5. stop (decided before committing, since it shortens the commit): first stop id, budget
+    is_stop = jnp.isin(emitted, stop_ids) & (slots <= accepted[:, None])  # [B, T]
+    until_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, t)
+    n_keep = jnp.minimum(jnp.minimum(accepted + 1, until_stop), state.remaining)
+    n_keep = jnp.where(state.running, jnp.maximum(n_keep, 0), 0)  # [B] 0…T
+    hit_stop = jnp.any(is_stop & (slots < n_keep[:, None]), axis=1)
+    # 4. commit: the anchor and the kept proposals (the last kept token is the next anchor)
+    cache = tgt.replay(target, cache, saved, n_keep)
+    proposer_state = proposer.commit(target, state.proposer_state, tapped, n_keep)
+    last = jnp.take_along_axis(emitted, jnp.maximum(n_keep - 1, 0)[:, None], axis=1)[:, 0]
+    remaining = state.remaining - n_keep
+    state = RoundState(
+        cache=cache, proposer_state=proposer_state, anchor=jnp.where(n_keep > 0, last, state.anchor),
+        running=state.running & ~hit_stop & (remaining > 0), remaining=remaining, keys=key_next,
+    )
+    return state, RoundOutput(emitted=emitted, n_keep=n_keep, accepted=accepted, hit_stop=hit_stop)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,7 +361,7 @@ def loop_impl(
     top_p: Array, stop_ids: Array, max_new_tokens: Array, *, out_width: int, verify_len: int, top_k: int,
     greedy: bool,
 ):
-    """Speculative rounds until every row stops.
+    """Speculative rounds (``speculative_round``) until every row stops.
 
     ``cache`` must have ``verify_len`` slack slots past the planned capacity (``speculative_generate``
     allocates them). Returns tokens ``[B, out_width + T]`` (row b's first ``counts[b]`` are valid),
@@ -260,76 +369,49 @@ def loop_impl(
     step added to the row's output), accepted ``[B, out_width]`` (proposals the step accepted, before
     stop/budget cuts), rounds ``[B]`` (verify steps per row), loop iterations, and the final caches.
     """
-    t, p_num = verify_len, verify_len - 1
+    t = verify_len
     batch = first.shape[0]
     capacity = cache.capacity - t  # planned capacity; the T slots beyond it are verify slack
     out = jnp.zeros((batch, out_width + t), jnp.int32).at[:, 0].set(first)
-    counts = jnp.ones((batch,), jnp.int32)
     stopped = jnp.isin(first, stop_ids)
     # Same budget as generate: one token per free planned slot + the last one, never fed back.
     budget = jnp.minimum(max_new_tokens, capacity - cache.lengths + 1)  # [B]
-    kept = jnp.zeros((batch, out_width), jnp.int32)
-    accepted_hist = jnp.zeros((batch, out_width), jnp.int32)
-    rounds = jnp.zeros((batch,), jnp.int32)
-    draft_temperature = jnp.float32(0.0) if greedy else temperature  # the drafter reads <= 0 as greedy
-    # The drafter's q uses the target's sampling filters (z-lab's rule); greedy drafts need none.
-    draft_top_p, draft_top_k = (jnp.float32(1.0), 0) if greedy else (top_p, top_k)
+    sampling = Sampling.rows(batch, temperature, top_p, top_k)
+    round_state = RoundState(
+        cache=cache, proposer_state=state, anchor=first, running=~stopped & (budget > 1), remaining=budget - 1,
+        keys=jax.random.split(key, batch),
+    )
     rows = jnp.arange(batch)
     slots = jnp.arange(t)[None, :]  # [1, T]
 
-    def active(counts: Array, stopped: Array) -> Array:
-        return ~stopped & (counts < budget)
-
     def cond(carry) -> Array:
-        return jnp.any(active(carry["counts"], carry["stopped"]))
+        return jnp.any(carry["round"].running)
 
     def body(carry):
-        key, key_draft, key_accept = jax.random.split(carry["key"], 3)
-        counts, stopped, out = carry["counts"], carry["stopped"], carry["out"]
-        running = active(counts, stopped)  # [B]
-        anchor = jnp.take_along_axis(out, (counts - 1)[:, None], axis=1)[:, 0]  # [B]
-
-        # 1. draft
-        proposal = proposer.propose(
-            target, carry["state"], anchor, counts, key_draft, draft_temperature, p_num, top_p=draft_top_p,
-            top_k=draft_top_k,
+        running, counts = carry["round"].running, carry["counts"]
+        round_state, result = speculative_round(
+            target, proposer, carry["round"], sampling, stop_ids, counts, verify_len=t, all_greedy=greedy
         )
-        block = jnp.concatenate([anchor[:, None], proposal.tokens.astype(jnp.int32)], axis=1)  # [B, T]
-        # 2. verify
-        hidden, tapped, cache, saved = tgt.forward(target, carry["cache"], block, proposer.taps)
-        logits = tgt.lm_logits(target, hidden)  # [B, T, V] f32
-        # 3. accept
-        if greedy:
-            emitted, accepted = accept_greedy(logits, proposal.tokens)
-        else:
-            emitted, accepted = accept_sampling(key_accept, logits, proposal, temperature, top_p, top_k)
-        # 5. stop (decided before committing, since it shortens the commit): first stop id, budget
-        is_stop = jnp.isin(emitted, stop_ids) & (slots <= accepted[:, None])  # [B, T]
-        until_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, t)
-        n_keep = jnp.minimum(jnp.minimum(accepted + 1, until_stop), budget - counts)
-        n_keep = jnp.where(running, n_keep, 0)  # [B] tokens added to the output, 0…T
-        stopped = stopped | jnp.any(is_stop & (slots < n_keep[:, None]), axis=1)
-        columns = jnp.where(slots < n_keep[:, None], counts[:, None] + slots, out.shape[1])  # out of range → dropped
-        out = out.at[rows[:, None], columns].set(emitted, mode="drop")
-        # 4. commit: the anchor and the kept proposals (the last kept token is the next anchor)
-        cache = tgt.replay(target, cache, saved, n_keep)
-        state = proposer.commit(target, carry["state"], tapped, n_keep)
+        n_keep = result.n_keep
+        columns = jnp.where(slots < n_keep[:, None], counts[:, None] + slots, carry["out"].shape[1])  # out of range → dropped
         record = jnp.where(running, carry["rounds"], out_width)  # out of range → dropped
         return dict(
-            cache=cache, state=state, key=key, out=out, counts=counts + n_keep, stopped=stopped,
+            round=round_state, out=carry["out"].at[rows[:, None], columns].set(result.emitted, mode="drop"),
+            counts=counts + n_keep, stopped=carry["stopped"] | result.hit_stop,
             kept=carry["kept"].at[rows, record].set(n_keep, mode="drop"),
-            accepted=carry["accepted"].at[rows, record].set(accepted, mode="drop"),
+            accepted=carry["accepted"].at[rows, record].set(result.accepted, mode="drop"),
             rounds=carry["rounds"] + running, iterations=carry["iterations"] + 1,
         )
 
+    history = jnp.zeros((batch, out_width), jnp.int32)
     carry = dict(
-        cache=cache, state=state, key=key, out=out, counts=counts, stopped=stopped, kept=kept,
-        accepted=accepted_hist, rounds=rounds, iterations=jnp.zeros((), jnp.int32),
+        round=round_state, out=out, counts=jnp.ones((batch,), jnp.int32), stopped=stopped, kept=history,
+        accepted=history, rounds=jnp.zeros((batch,), jnp.int32), iterations=jnp.zeros((), jnp.int32),
     )
     carry = jax.lax.while_loop(cond, body, carry)
     return (
         carry["out"], carry["counts"], carry["stopped"], carry["kept"], carry["accepted"], carry["rounds"],
-        carry["iterations"], carry["cache"], carry["state"],
+        carry["iterations"], carry["round"].cache, carry["round"].proposer_state,
     )
 
 

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax import dense, hub, hybrid  # noqa: F401  (importing dense and hybrid registers the built-in families)
-from dspine_jax.config import TargetConfig
-from dspine_jax.family import TargetFamily, TargetForward, family_for, load_target_config
-from dspine_jax.weights import load_safetensors_dir
+from dspine_jax.models import dense, hub, hybrid  # noqa: F401  (importing dense and hybrid registers the built-in families)
+from dspine_jax.models.config import TargetConfig
+from dspine_jax.models.family import TargetFamily, TargetForward, family_for, load_target_config
+from dspine_jax.models.weights import load_safetensors_dir
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "bf16": jnp.bfloat16}
 

@@ -1,5 +1,5 @@
 """A decoding request laid out for the jitted programs, and what comes back: shared by autoregressive
-(``generate.py``) and speculative (``speculative.py``) decoding, the server and the corpus builder.
+(``autoregressive.py``) and speculative (``speculative.py``) decoding, the server and the corpus builder.
 
 ``plan_request`` validates prompts and sampling parameters and buckets the shapes (prompt width, cache
 capacity) so similar requests reuse compiled programs; ``CompileTimer`` times compilation apart from
@@ -18,8 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspine_jax.sampling import validate_sampling
-from dspine_jax.target import Target
+from dspine_jax.decoding.sampling import validate_sampling
+from dspine_jax.models import hub
+from dspine_jax.models.target import Target
 
 PROMPT_BUCKET = 32
 CAPACITY_BUCKET = 128
@@ -173,3 +174,9 @@ def finish_reasons(counts: np.ndarray, stopped: np.ndarray, max_new_tokens: int)
 
 # ----------------------------------------------------------------------------------------------
 # CLI: python -m dspine_jax.generate --model M --prompt TEXT [...]
+
+
+def enable_compilation_cache() -> None:
+    """Persist compiled programs across CLI runs (the first run of a shape compiles; later runs reuse)."""
+    jax.config.update("jax_compilation_cache_dir", str(hub.default_cache_dir() / "jax_compilation_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

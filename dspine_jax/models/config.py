@@ -10,7 +10,7 @@ from typing import Any
 
 # model_type values per family (the registry in family.py maps them to code).
 DENSE_TARGET_TYPES = ("llama", "qwen3")
-# Hybrid Gated-DeltaNet / gated-attention families (dspine_jax/hybrid.py). ``qwen3_5`` is the
+# Hybrid Gated-DeltaNet / gated-attention families (dspine_jax/models/hybrid.py). ``qwen3_5`` is the
 # multimodal wrapper config (text model under ``text_config``); ``qwen3_5_text`` is what
 # ``Qwen3_5ForCausalLM.save_pretrained`` writes.
 HYBRID_TARGET_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")

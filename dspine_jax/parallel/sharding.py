@@ -1,6 +1,6 @@
 """Place a target and a drafter on a ``data`` × ``model`` mesh (tensor + data parallel decoding).
 
-    mesh = make_mesh(tp=4, dp=2)                     # dspine_jax/mesh.py
+    mesh = make_mesh(tp=4, dp=2)                     # dspine_jax/parallel/mesh.py
     target, drafter = shard_target(target, mesh), shard_drafter(drafter, mesh)
     with use_mesh(mesh):
         result = speculative_generate(target, drafter, prompts, 64)
@@ -10,7 +10,7 @@ projection *into* heads / MLP width is split by columns (heads, KV heads, MLP wi
 every projection back to the residual stream by rows, so each layer needs one all-reduce, which XLA
 inserts. The LM head is split over the vocabulary. Norms, embeddings, the drafter's fc and DSpine
 injection (all small) are replicated. Caches are created under ``use_mesh`` already laid out (batch on
-``data``, KV heads on ``model``; dspine_jax/cache.py). A dimension that does not divide evenly by its
+``data``, KV heads on ``model``; dspine_jax/models/cache.py). A dimension that does not divide evenly by its
 mesh axis stays replicated, so any model runs on any mesh; ``describe`` shows what was split.
 
 Each weight declares its logical axes where it is defined (``mesh.weight`` on the params dataclass
@@ -29,9 +29,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from dspine_jax.drafter import Drafter
-from dspine_jax.mesh import MODEL, logical_spec
-from dspine_jax.target import Target
+from dspine_jax.drafters.drafter import Drafter
+from dspine_jax.models.target import Target
+from dspine_jax.parallel.mesh import MODEL, logical_spec
 
 
 def _put(value: Any, axes: tuple[str | None, ...] | None, mesh: Mesh) -> Any:

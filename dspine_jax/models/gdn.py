@@ -37,8 +37,8 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax.config import HybridConfig
-from dspine_jax.mesh import weight
+from dspine_jax.models.config import HybridConfig
+from dspine_jax.parallel.mesh import weight
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DEFAULT_CHUNK = 64  # HF's chunk size

@@ -28,20 +28,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax.drafter import (
-    BlockForward,
-    Candidates,
-    Choose,
-    DFlash,
-    Drafter,
-    DraftOutput,
-    DrafterParams,
-    Replacement,
-    choose,
-    top_candidates,
-    unary_logits,
-)
-from dspine_jax.drafter_config import (
+from dspine_jax.drafters.config import (
     DSPINE_DEFAULTS,
     DrafterConfig,
     DrafterConfigError,
@@ -49,10 +36,25 @@ from dspine_jax.drafter_config import (
     drafter_kind,
     register_drafter_kind,
 )
-from dspine_jax.layers import rms_norm
-from dspine_jax.mesh import per_device
-from dspine_jax.target import Target
-from dspine_jax.weights import CheckpointError, take
+from dspine_jax.drafters.drafter import (
+    BlockForward,
+    Candidates,
+    Choose,
+    DFlash,
+    Drafter,
+    DrafterParams,
+    DraftOutput,
+    Replacement,
+    choose,
+    slot_keys,
+    top_candidates,
+    unary_logits,
+)
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.layers import rms_norm
+from dspine_jax.models.target import Target
+from dspine_jax.models.weights import CheckpointError, take
+from dspine_jax.parallel.mesh import per_device
 from kernels.pallas import transition_cache as _transition_kernel
 
 # F.normalize's epsilon: a zero readout stays zero instead of dividing by zero.
@@ -297,24 +299,22 @@ class DSpine(DFlash):
         _, (tokens, q) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), xs)
         return jnp.moveaxis(tokens, 0, 1), jnp.moveaxis(q, 0, 1)
 
-    def decode(
-        self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, key: Array, temperature: Array,
-        top_p: Array | float = 1.0, top_k: int = 0,
-    ) -> DraftOutput:
-        """At temperature > 0 slot i samples from ``softmax(T[i, k_prev, :] / temperature)``; the sampling
-        filters do not apply (the walk is already restricted to the C candidates)."""
+    def decode(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, keys: Array, sampling: Sampling) -> DraftOutput:
+        """A sampled row's slot i draws from ``softmax(T[i, k_prev, :] / temperature)``; the sampling filters
+        do not apply (the walk is already restricted to the C candidates)."""
         cands = self.candidates(drafter, target, fwd, anchor)
-        slot_keys = jax.random.split(key, cands.cand_ids.shape[1])
-        tokens, q = self.select(cands, slot_keys, lambda s, k: choose(s, k, temperature))
+        keys = slot_keys(keys, cands.cand_ids.shape[1])
+        tokens, q = self.select(cands, keys, lambda s, k: choose(s, k, sampling.temperature))
         return DraftOutput(tokens=tokens, cand_ids=cands.cand_ids, q=q)
 
     def walk_sequential(
-        self, drafter: Drafter, target: Target, pre: Array, cand_ids: Array, anchor: Array, key: Array, temperature: Array
+        self, drafter: Drafter, target: Target, pre: Array, cand_ids: Array, anchor: Array, keys: Array, temperature: Array
     ) -> tuple[Array, Array]:
         """Reference for the walk: at each slot, re-run the last write for the predecessor actually chosen
-        and score the candidates (P sequential refinements). Same keys and choice rule as ``select``."""
+        and score the candidates (P sequential refinements). Same keys (``[B]``, per row) and choice rule
+        (``temperature [B]``) as ``decode``."""
         _, p, _ = cand_ids.shape
-        keys = jax.random.split(key, p)
+        keys = slot_keys(keys, p)
         previous = anchor.astype(jnp.int32)
         tokens, qs = [], []
         for i in range(p):

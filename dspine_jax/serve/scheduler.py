@@ -1,0 +1,268 @@
+"""The scheduler: one worker thread owns the ``EngineCore`` and runs admit → step → stream out.
+
+Every JAX call happens on that thread. A request is queued (bounded: ``QueueFull`` when full), admitted
+into a free slot between engine steps (prefill), and fed text deltas through an ``asyncio.Queue``
+(``loop.call_soon_threadsafe``). Detokenization and stop strings (``TextStream``) run per request on the
+worker, so a stop string frees the slot in the same step; a cancelled request's slot is freed before
+the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from dspine_jax.serve.engine import EngineCore, SlotParams
+from dspine_jax.serve.metrics import Metrics
+
+# Builds the engine core and its tokenizer; runs on the engine thread while the server says "starting".
+Loader = Callable[[], tuple[EngineCore, Any]]
+
+
+class StartupError(Exception):
+    """A loader failure whose message is meant for the user as is (no traceback)."""
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: never returns text past a stop string, and holds
+    back a tail that could still become one (or an incomplete UTF-8 sequence)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.text = ""
+
+    def feed(self, new_ids: list[int]) -> tuple[str, bool]:
+        self.ids += new_ids
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.text
+        best = -1
+        for s in self.stops:
+            idx = text.find(s, max(0, self.sent - len(s) + 1))
+            if idx >= 0 and (best < 0 or idx < best):
+                best = idx
+        if best >= 0:
+            out = text[self.sent:best] if best > self.sent else ""
+            self.sent = max(self.sent, best)
+            return out, True
+        safe = len(text)
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        out = text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return out, False
+
+    def flush(self) -> str:
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+
+@dataclasses.dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SlotParams
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    endpoint: str
+    queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    slot: int | None = None
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_generated: int = 0
+    stream: TextStream | None = None
+
+    def emit(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class AsyncEngine:
+    """Owns the EngineCore in a worker thread; a bounded waiting queue in front of it.
+
+    The worker first runs ``load``: meanwhile ``state`` is "starting"; then "ready" (``ready`` is set), or
+    "failed" with ``error`` set and ``on_failure(error)`` called (the CLI stops listening)."""
+
+    def __init__(self, load: Loader, metrics: Metrics, max_queue: int):
+        self.load, self.metrics, self.max_queue = load, metrics, max_queue
+        self.core: EngineCore | None = None
+        self.tokenizer: Any = None
+        self.state = "starting"
+        self.error: str | None = None
+        self.ready = threading.Event()
+        self.on_failure: Callable[[str], None] | None = None
+        self.waiting: collections.deque[GenRequest] = collections.deque()
+        self.active: dict[int, GenRequest] = {}
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="dspine-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self.ready.is_set():  # a loader cannot be interrupted: leave it to die with the (daemon) thread
+            self.thread.join(timeout=30)
+
+    def submit(self, req: GenRequest) -> None:
+        with self.cond:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull()
+            req.stream = TextStream(self.tokenizer, req.stops)
+            self.waiting.append(req)
+            self.metrics.queued = len(self.waiting)
+            self.cond.notify_all()
+
+    def cancel(self, req: GenRequest) -> None:
+        with self.cond:
+            req.cancelled = True
+            self.cond.notify_all()
+
+    # -- worker thread
+    def _finish(self, req: GenRequest, reason: str, status: str = "ok") -> None:
+        if req.slot is not None:
+            self.active.pop(req.slot, None)
+            try:
+                self.core.release(req.slot)
+            finally:
+                req.slot = None
+        if status == "ok":
+            req.emit(("done", reason, req.num_generated))
+        self.metrics.request(req.endpoint, status)
+        self.metrics.latency.observe(time.monotonic() - req.arrival)
+
+    def _fail(self, req: GenRequest, exc: BaseException) -> None:
+        traceback.print_exception(exc)
+        req.emit(("error", f"internal error while generating: {type(exc).__name__}: {exc}"))
+        try:
+            self._finish(req, "error", status="error")
+        except Exception as e:  # a failed release must not take the worker down
+            traceback.print_exception(e)
+
+    def _deliver(self, req: GenRequest, tokens: list[int], reason: str | None) -> None:
+        """New tokens for ``req``: text delta, stop strings, completion."""
+        if req.first_token_time is None and tokens:
+            req.first_token_time = time.monotonic()
+            self.metrics.ttft.observe(req.first_token_time - req.arrival)
+        req.num_generated += len(tokens)
+        with self.metrics.lock:
+            self.metrics.generation_tokens += len(tokens)
+        delta, hit = req.stream.feed(tokens)
+        if hit:
+            if delta:
+                req.emit(("text", delta))
+            self._finish(req, "stop")
+            return
+        if reason is not None:
+            delta += req.stream.flush()
+        if delta:
+            req.emit(("text", delta))
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _start(self) -> bool:
+        """Run the loader; True once the engine can serve."""
+        try:
+            self.core, self.tokenizer = self.load()
+            self.metrics.set_max_acceptance(self.core.max_verify)
+        except Exception as e:
+            if not isinstance(e, StartupError):
+                traceback.print_exception(e)
+            self.error, self.state = str(e) or type(e).__name__, "failed"
+            if self.on_failure is not None:
+                self.on_failure(self.error)
+            return False
+        self.state = "ready"
+        self.ready.set()
+        return True
+
+    def _run(self) -> None:
+        if not self._start():
+            return
+        core = self.core
+        while True:
+            with self.cond:
+                while not self.stopping and not self.waiting and not self.active:
+                    self.cond.wait(timeout=1.0)
+                if self.stopping:
+                    return
+            try:
+                self._iteration(core)
+            except Exception as e:  # never let the worker die: fail what is in flight, start clean
+                traceback.print_exception(e)
+                for req in list(self.active.values()):
+                    req.slot = None  # the reset below frees every slot
+                    req.emit(("error", f"internal error while generating: {type(e).__name__}: {e}"))
+                    self.metrics.request(req.endpoint, "error")
+                self.active.clear()
+                try:
+                    core.reset()
+                except Exception as e2:
+                    traceback.print_exception(e2)
+
+    def _iteration(self, core: EngineCore) -> None:
+        for req in list(self.active.values()):
+            if req.cancelled:
+                self._finish(req, "cancelled", status="cancelled")
+        # Admit waiting requests into free slots.
+        while True:
+            with self.cond:
+                slot = core.free_slot()
+                if slot is None or not self.waiting:
+                    break
+                req = self.waiting.popleft()
+                self.metrics.queued = len(self.waiting)
+            if req.cancelled:
+                self._finish(req, "cancelled", status="cancelled")
+                continue
+            try:
+                first, reason = core.add(slot, req.prompt_ids, req.max_tokens, req.params)
+            except Exception as e:
+                try:
+                    core.release(slot)
+                finally:
+                    self._fail(req, e)
+                continue
+            req.slot = slot
+            self.active[slot] = req
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += len(req.prompt_ids)
+            try:
+                self._deliver(req, [first], reason)
+            except Exception as e:
+                self._fail(req, e)
+        self.metrics.running = len(self.active)
+        if core.num_running() == 0:
+            return
+        start = time.perf_counter()
+        result = core.step()
+        self.metrics.record_step(result.accepted, time.perf_counter() - start)
+        for slot, tokens in result.tokens.items():
+            req = self.active.get(slot)
+            if req is None:
+                continue
+            try:
+                self._deliver(req, tokens, result.finished.get(slot))
+            except Exception as e:
+                self._fail(req, e)
+        self.metrics.running = len(self.active)
