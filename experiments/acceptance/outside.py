@@ -17,7 +17,14 @@ import re
 from pathlib import Path
 
 from dspine_jax.train.corpus import CODE_TASKS, MATH_TASKS, PROSE_INSTRUCTIONS
-from dspine_jax.train.data import DOMAINS, encode_messages, load_heldout, read_plan, reasoning_gym_questions, shakespeare_texts
+from dspine_jax.train.data import (
+    DOMAINS,
+    encode_messages,
+    load_heldout,
+    read_plan,
+    reasoning_gym_questions,
+    shakespeare_texts,
+)
 
 OUTSIDE_SEED = 777_001
 

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
-
 from common import SHAPES, Shape, attention_inputs, env_line, relative_error, tiles_visited, transition_inputs
+
 from kernels.pallas import dispatch
 from kernels.pallas import draft_attention as DA
 from kernels.pallas import transition_cache as TC

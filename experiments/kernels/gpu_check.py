@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench
 import jax
 import jax.numpy as jnp
-
-import bench
 from common import SHAPES, attention_inputs, env_line, transition_inputs
+
 from kernels.pallas import dispatch
 from kernels.pallas import draft_attention as DA
 from kernels.pallas import transition_cache as TC
