@@ -215,3 +215,33 @@ def test_long_prompts_are_chunked_on_a_hybrid_target(tmp_path):
     core = EngineCore(target, None, num_slots=2, context_length=96, stop_ids=[], max_prompt_bucket=32)
     got, _, _ = run_engine(core, prompts, [8, 8])
     assert got == ref
+
+
+@pytest.mark.parametrize("kind", ["dspine", "dflash"])
+def test_cache_capacity_follows_the_longest_request(llama, kind):
+    """With a context far above what the requests use, the caches hold a capacity bucket just above the
+    occupied slots' positions: 128 while every row is short, 256 once one passes 128, back to 128 when
+    it leaves. Output equals ``generate``'s, and warmup compiled every step (none compiles while serving)."""
+    drafter = init_drafter(llama, kind, num_layers=1, block_size=4, top_k=8, seed=3)
+    core = EngineCore(llama, drafter, num_slots=2, context_length=400, stop_ids=[], max_prompt_bucket=64)
+    assert core.capacity_buckets == [128, 256, core.capacity]
+    core.warmup()
+    assert (core.rows, core.cache_capacity) == (1, 128)
+    compiled = eng.step._cache_size()
+    seen = []
+    step = core.step
+
+    def spy():
+        out = step()
+        seen.append(core.cache_capacity)
+        return out
+
+    core.step = spy
+    prompts = [[1] + [(7 * i + 3) % 120 + 3 for i in range(n)] for n in (100, 20, 30)]
+    budgets = [40, 40, 20]
+    ref = [generate(llama, [p], b, stop_ids=[]).token_ids[0] for p, b in zip(prompts, budgets)]
+    got, _, _ = run_engine(core, prompts, budgets)
+    assert got == ref
+    assert seen[0] == 128 and 256 in seen and seen[-1] == 128 and core.capacity not in seen
+    assert core.pstate.capacity == core.cache_capacity  # the drafter's ring moved with the target's cache
+    assert eng.step._cache_size() == compiled

@@ -48,7 +48,7 @@ from jax import Array
 
 from dspine_jax.decoding.planning import CompileTimer, GenerationResult, finish_reasons, plan_request, round_up
 from dspine_jax.decoding.sampling import Sampling, categorical_rows, process_rows, sample, split_rows
-from dspine_jax.drafters.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache
+from dspine_jax.drafters.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache, resize_ring
 from dspine_jax.drafters.io import check_compatible
 from dspine_jax.models import target as tgt
 
@@ -124,6 +124,10 @@ class DrafterProposer:
     def commit(self, target: tgt.Target, state, tapped: Array, num_new: Array):
         return append_context(self.drafter, state, tapped, num_new)
 
+    def with_capacity(self, state, capacity: int):
+        """The state for rows of up to ``capacity`` positions (the serving engine resizes; optional)."""
+        return resize_ring(self.drafter, state, capacity)
+
 
 @struct.dataclass
 class OracleProposer:
@@ -183,6 +187,9 @@ class NoProposer:
         raise ValueError("NoProposer drafts nothing: run it with verify_len 1")
 
     def commit(self, target: tgt.Target, state: None, tapped: Array, num_new: Array) -> None:
+        return state
+
+    def with_capacity(self, state: None, capacity: int) -> None:
         return state
 
 

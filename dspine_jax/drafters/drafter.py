@@ -74,7 +74,7 @@ from jax import Array
 
 from dspine_jax.decoding.sampling import Sampling, categorical_rows, process_rows, split_rows
 from dspine_jax.drafters.config import DrafterConfig, drafter_kind, register_drafter_kind
-from dspine_jax.models.cache import KV_AXES, LENGTHS_AXES, sharded_zeros
+from dspine_jax.models.cache import KV_AXES, LENGTHS_AXES, resize_slots, sharded_zeros
 from dspine_jax.models.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.models.target import Target, lm_logits
 from dspine_jax.parallel.mesh import per_device, weight
@@ -203,16 +203,31 @@ Choose = Callable[[Array, Array], tuple[Array, Array]]
 # Draft context cache
 
 
+def ring_slots(drafter: Drafter, capacity: int) -> int:
+    """Ring slots for rows of up to ``capacity`` positions: ``capacity``, capped at ``max(window) - 1``
+    when every layer is windowed."""
+    windows = drafter.config.layer_windows
+    return min(capacity, max(max(windows) - 1, 1)) if all(w > 0 for w in windows) else capacity
+
+
 def init_draft_cache(drafter: Drafter, batch: int, capacity: int) -> DraftCache:
     """An empty ring for ``batch`` rows. ``capacity`` = the longest sequence (prompt + generated) a row
     will reach; with every layer windowed the ring is capped at ``max(window) - 1`` slots."""
     config = drafter.config
-    slots = capacity
-    if all(w > 0 for w in config.layer_windows):
-        slots = min(capacity, max(max(config.layer_windows) - 1, 1))
+    slots = ring_slots(drafter, capacity)
     shape = (batch, config.num_kv_heads, slots, config.head_dim)
     zeros = tuple(sharded_zeros(shape, drafter.dtype, KV_AXES) for _ in range(config.num_layers))
     return DraftCache(k=zeros, v=zeros, lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES))
+
+
+def resize_ring(drafter: Drafter, cache: DraftCache, capacity: int) -> DraftCache:
+    """The ring for rows of up to ``capacity`` positions. Valid while every row's positions are below
+    both slot counts: a ring that never wrapped holds position ``p`` in slot ``p``."""
+    slots = ring_slots(drafter, capacity)
+    if slots == cache.capacity:
+        return cache
+    fit = lambda x: resize_slots(x, slots)  # noqa: E731
+    return cache.replace(k=tuple(map(fit, cache.k)), v=tuple(map(fit, cache.v)))
 
 
 def context_slot_positions(cache: DraftCache) -> Array:

@@ -27,6 +27,14 @@ KV_AXES = ("batch", "kv_heads", None, None)  # [B, K, S, D]
 LENGTHS_AXES = ("batch",)
 
 
+def resize_slots(x: Array, slots: int) -> Array:
+    """``x [B, K, S, D]`` with ``slots`` slots along S: zeros appended, or the tail dropped."""
+    have = x.shape[2]
+    if slots <= have:
+        return x[:, :, :slots]
+    return jnp.concatenate([x, jnp.zeros((*x.shape[:2], slots - have, x.shape[3]), x.dtype)], axis=2)
+
+
 def sharded_zeros(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> Array:
     return constrain(jnp.zeros(shape, dtype), axes)
 
@@ -46,6 +54,14 @@ class _Rows:
     def commit(self, num_tokens: Array):
         """Keep ``num_tokens [B]`` more tokens of the block just written."""
         return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
+
+    def with_capacity(self, capacity: int):
+        """The cache with ``capacity`` K/V slots (empty ones appended, or the tail dropped). The serving
+        engine grows and shrinks its caches this way, so attention spans what the requests need, not the
+        whole context; the caller keeps every row's positions below ``capacity``. Non-positional state
+        (a hybrid's GDN windows and recurrent states) is unchanged."""
+        fit = lambda x: resize_slots(x, capacity)  # noqa: E731
+        return self.replace(k=tuple(map(fit, self.k)), v=tuple(map(fit, self.v)))
 
 
 @struct.dataclass

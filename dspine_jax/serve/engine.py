@@ -1,8 +1,8 @@
 """Continuous-batching engine: a fixed number of slots, one speculative round per engine step.
 
 Device state (persistent, donated to every jitted call): the target cache and the drafter's context
-cache, ``R ≤ S`` rows each (one row per slot, see ``step``), ``context_length + T_max`` positions per row (the ``T_max``
-slack keeps a verify block inside the buffer, as in ``speculative_generate``).
+cache, ``R ≤ S`` rows each (one row per slot, see ``step``), up to ``context_length + T_max`` positions per
+row (the ``T_max`` slack keeps a verify block inside the buffer, as in ``speculative_generate``).
 
 Host state (numpy, per slot, passed into each step — a few hundred bytes): the anchor (last emitted
 token, not yet in the target cache), whether the slot runs, its sampling parameters (temperature,
@@ -20,9 +20,11 @@ does in the background before it reports ready):
 * ``step`` — ``speculative.speculative_round`` for all slots, the same round ``speculative_generate``
   runs inside its while loop (per-row sampling parameters, keys and budgets; the engine's stop ids).
   The device caches hold only the first ``R`` slots, ``R`` a power-of-two bucket covering every
-  occupied slot (requests take the lowest free slot), so idle slots cost no compute and a step never
-  slices or copies the caches: they are resized (``resize_rows``) only when the highest occupied slot
-  crosses a bucket. Idle slots inside the bucket run too (static shapes) but commit nothing. With ``verify_len == 1`` and no drafter (``NoProposer``) it is
+  occupied slot (requests take the lowest free slot), and ``C`` positions per row, ``C`` a bucket (128,
+  256, …, the context) above every occupied slot's next verify block. So idle slots cost no compute,
+  attention spans what the requests need rather than the whole context, and a step never slices or
+  copies the caches: ``refit`` resizes them only when the slots or positions cross a bucket. Idle
+  slots inside the bucket run too (static shapes) but commit nothing. With ``verify_len == 1`` and no drafter (``NoProposer``) it is
   a plain autoregressive step (``--no-speculative``).
 
 This module keeps only slot bookkeeping: admitting a request (prefill), stepping, releasing a slot.
@@ -55,6 +57,7 @@ from dspine_jax.parallel.mesh import DATA, use_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
 
 MIN_PROMPT_BUCKET = 32
+MIN_CAPACITY_BUCKET = 128  # cache capacities the engine moves between: 128, 256, … and the whole context
 
 
 def prompt_widths(context_length: int, max_prompt_bucket: int) -> list[int]:
@@ -68,6 +71,12 @@ def cache_capacity(context_length: int, max_verify: int) -> int:
     to 32 (chunks start at multiples of 32, so a 32-wide tail always fits; see ``plan_prefill``)."""
     padded = -(-context_length // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET
     return max(context_length + max_verify, padded)
+
+
+def capacity_buckets(capacity: int) -> list[int]:
+    """The cache capacities a step may compile: powers of two from 128 below ``capacity``, then ``capacity``."""
+    sizes = [MIN_CAPACITY_BUCKET << i for i in range(capacity.bit_length()) if MIN_CAPACITY_BUCKET << i < capacity]
+    return sizes + [capacity]
 
 
 def plan_prefill(n: int, widths: Sequence[int], capacity: int) -> list[tuple[int, int]]:
@@ -123,14 +132,16 @@ def write_row(cache, pstate, row, prow, slot: Array):
     return jax.tree.map(put, cache, row), jax.tree.map(put, pstate, prow)
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))  # (no donation: the shapes change)
-def resize_rows(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int):
-    """The caches with ``rows`` rows: the first rows kept, empty rows appended (every cache leaf is
-    batch-major). Runs when the highest occupied slot crosses a row bucket, not per step."""
+@functools.partial(jax.jit, static_argnames=("rows", "capacity"))  # (no donation: the shapes change)
+def refit(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int, capacity: int):
+    """The caches with ``rows`` rows of ``capacity`` positions: the first rows kept, empty rows appended
+    (every cache leaf is batch-major), position slots appended or dropped (``with_capacity``). Runs when
+    the occupied slots or their positions cross a bucket, not per step."""
+    cache, pstate = cache.with_capacity(capacity), proposer.with_capacity(pstate, capacity)
     have = cache.lengths.shape[0]
     if rows <= have:
         return jax.tree.map(lambda x: x[:rows], (cache, pstate))
-    extra = (tgt.init_cache(target, rows - have, cache.capacity), proposer.init(target, rows - have, cache.capacity))
+    extra = (tgt.init_cache(target, rows - have, capacity), proposer.init(target, rows - have, capacity))
     return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), (cache, pstate), extra)
 
 
@@ -245,15 +256,21 @@ class EngineCore:
         self.top_p = np.ones(s, np.float32)
         self.top_k = np.zeros(s, np.int32)
         self.occupied = np.zeros(s, bool)
+        self.lengths = np.zeros(s, np.int64)  # committed cache length per slot (host mirror)
         self._seed_counter = 0
         # Step variants by rows covered: 1, 2, 4, … and S (``bucket_rows=False``: always S); under data
         # parallelism only multiples of the data groups, so every device keeps its own rows.
         buckets = [1 << i for i in range(s.bit_length()) if (1 << i) < s and (1 << i) % dp == 0] if bucket_rows else []
         self.row_buckets = buckets + [s]
+        # Caches that can change capacity (every built-in family, drafters, NoProposer) hold a bucket above
+        # what the occupied slots need, so attention never spans the whole context for short requests.
+        resizable = hasattr(tgt.init_cache(target, 1, 1), "with_capacity") and hasattr(self.proposer, "with_capacity")
+        self.capacity_buckets = capacity_buckets(self.capacity) if resizable else [self.capacity]
+        self._forced_capacity: int | None = None  # warmup compiles every capacity
         self._init_caches()
 
     def _init_caches(self) -> None:
-        rows, capacity = self.row_buckets[0], self.capacity
+        rows, capacity = self.row_buckets[0], self.capacity_buckets[0]
         with use_mesh(self.mesh):
             cache = tgt.init_cache(self.target, rows, capacity)
             pstate = self.proposer.init(self.target, rows, capacity)
@@ -267,6 +284,7 @@ class EngineCore:
         self.running[:] = False
         self.occupied[:] = False
         self.remaining[:] = 0
+        self.lengths[:] = 0
 
     # -- slots
     def free_slot(self) -> int | None:
@@ -285,12 +303,27 @@ class EngineCore:
         """Rows the device caches hold now (a row bucket)."""
         return int(self.cache.lengths.shape[0])
 
-    def _fit_rows(self, highest: int) -> None:
-        """Resize the caches to the row bucket covering slots ``[0, highest)`` (once per bucket change)."""
+    @property
+    def cache_capacity(self) -> int:
+        """Positions per row the device caches hold now (a capacity bucket)."""
+        return int(self.cache.capacity)
+
+    def _fit(self, highest: int, positions: int) -> None:
+        """Resize the caches to the row bucket covering slots ``[0, highest)`` and the capacity bucket
+        covering ``positions`` (once per bucket change; a no-op otherwise)."""
         rows = self.rows_for(max(highest, 1))
-        if rows != self.rows:
+        forced = self._forced_capacity
+        capacity = forced or next(c for c in self.capacity_buckets if c >= min(positions, self.capacity))
+        if (rows, capacity) != (self.rows, self.cache_capacity):
             with use_mesh(self.mesh):
-                self.cache, self.pstate = resize_rows(self.target, self.proposer, self.cache, self.pstate, rows=rows)
+                self.cache, self.pstate = refit(
+                    self.target, self.proposer, self.cache, self.pstate, rows=rows, capacity=capacity
+                )
+
+    def _needed_positions(self) -> int:
+        """Positions the occupied slots need for their next verify block."""
+        occupied = self.lengths[self.occupied]
+        return int(occupied.max()) + self.max_verify if occupied.size else 1
 
     def _highest_occupied(self) -> int:
         occupied = np.flatnonzero(self.occupied)
@@ -317,10 +350,13 @@ class EngineCore:
         k_prefill, k_loop = jax.random.split(jax.random.wrap_key_data(key))
         sampling = (jax.random.key_data(k_prefill), jnp.float32(params.temperature), jnp.float32(params.top_p),
                     jnp.int32(params.top_k))
-        self._fit_rows(max(slot + 1, self._highest_occupied()))
+        # The prompt's row lives in the slots' capacity bucket, which must hold every chunk (a 32-wide tail
+        # included, see ``cache_capacity``) and the first verify block.
+        need = max(n + self.max_verify, -(-n // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET, self._needed_positions())
+        self._fit(max(slot + 1, self._highest_occupied()), need)
         with use_mesh(self.mesh):
-            row, prow = empty_row(self.target, self.proposer, capacity=self.capacity)
-            for offset, width in plan_prefill(n, self.prompt_widths, self.capacity):
+            row, prow = empty_row(self.target, self.proposer, capacity=self.cache_capacity)
+            for offset, width in plan_prefill(n, self.prompt_widths, self.cache_capacity):
                 chunk = prompt[offset : offset + width]
                 tokens = np.full((1, width), self.target.config.pad_token_id or 0, np.int32)
                 tokens[0, : len(chunk)] = chunk
@@ -330,6 +366,7 @@ class EngineCore:
             self.cache, self.pstate = write_row(self.cache, self.pstate, row, prow, jnp.int32(slot))
         first = int(first)
         self.occupied[slot] = True
+        self.lengths[slot] = n
         self.anchor[slot] = first
         self.remaining[slot] = max_new_tokens - 1
         self.key_data[slot] = np.asarray(jax.random.key_data(k_loop))
@@ -345,6 +382,7 @@ class EngineCore:
         self.running[slot] = False
         self.occupied[slot] = False
         self.remaining[slot] = 0
+        self.lengths[slot] = 0
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = 0.0, 1.0, 0
         with use_mesh(self.mesh):
             self.cache, self.pstate = reset_slot(self.cache, self.pstate, jnp.int32(slot))
@@ -355,7 +393,7 @@ class EngineCore:
         if n == 0:
             return StepResult({}, {}, [], 0)
         t = self.verify_len_for(n)
-        self._fit_rows(self._highest_occupied())  # shrinks after releases; admissions grew it already
+        self._fit(self._highest_occupied(), self._needed_positions())  # grows as rows advance, shrinks after releases
         r = self.rows
         with use_mesh(self.mesh):
             self.cache, self.pstate, emitted, n_keep, _, hit_stop, key_next = step(
@@ -375,6 +413,7 @@ class EngineCore:
             if k:
                 self.anchor[i] = new[-1]
             self.remaining[i] -= k
+            self.lengths[i] += k
             if hit_stop[i]:
                 finished[i] = "stop"
             elif self.remaining[i] <= 0:
@@ -384,23 +423,31 @@ class EngineCore:
         return StepResult(tokens, finished, accepted, n)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile every step variant (verify lengths × row buckets) and prefill at every prompt width."""
+        """Compile every prefill width and step variant (verify lengths × row buckets) at every capacity
+        bucket, so nothing compiles while serving but the (small) resizes between buckets."""
         bos = self.target.config.bos_token_id or 1
-        for width in self.prompt_widths:
-            if progress:
-                progress(f"compiling prefill (prompt width {width})")
-            self.add(0, [bos] * min(width, self.context_length), 1, SlotParams())
-            self.release(0)
-        for t in sorted(set(self.verify_lengths.values())):
-            for rows in self.row_buckets:
-                if progress:
-                    progress(f"compiling step (verify length {t}, {rows} rows)")
-                slot = rows - 1
-                self.add(slot, [bos], 2, SlotParams())
-                table, self.verify_lengths = self.verify_lengths, {1: t}
-                try:
-                    self.step()
-                finally:
-                    self.verify_lengths = table
-                self.release(slot)
-        self._fit_rows(0)  # compiles the shrink back to the smallest bucket too
+        try:
+            for capacity in self.capacity_buckets:
+                self._forced_capacity = capacity
+                for width in self.prompt_widths:
+                    if width > capacity:
+                        continue  # (plan_prefill never picks a chunk wider than the cache)
+                    if progress:
+                        progress(f"compiling prefill (prompt width {width}, capacity {capacity})")
+                    self.add(0, [bos] * min(width, self.context_length), 1, SlotParams())
+                    self.release(0)
+                for t in sorted(set(self.verify_lengths.values())):
+                    for rows in self.row_buckets:
+                        if progress:
+                            progress(f"compiling step (verify length {t}, {rows} rows, capacity {capacity})")
+                        slot = rows - 1
+                        self.add(slot, [bos], 2, SlotParams())
+                        table, self.verify_lengths = self.verify_lengths, {1: t}
+                        try:
+                            self.step()
+                        finally:
+                            self.verify_lengths = table
+                        self.release(slot)
+        finally:
+            self._forced_capacity = None
+        self._fit(0, 1)  # back to the smallest buckets
