@@ -28,6 +28,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
+from dspine_jax.decoding.sampling import Sampling
 from dspine_jax.drafters.config import (
     DSPINE_DEFAULTS,
     DrafterConfig,
@@ -50,7 +51,6 @@ from dspine_jax.drafters.drafter import (
     top_candidates,
     unary_logits,
 )
-from dspine_jax.decoding.sampling import Sampling
 from dspine_jax.models.layers import rms_norm
 from dspine_jax.models.target import Target
 from dspine_jax.models.weights import CheckpointError, take
