@@ -223,7 +223,7 @@ def test_cache_capacity_follows_the_longest_request(llama, kind):
     occupied slots' positions: 128 while every row is short, 256 once one passes 128, back to 128 when
     it leaves. Output equals ``generate``'s, and warmup compiled every step (none compiles while serving)."""
     drafter = init_drafter(llama, kind, num_layers=1, block_size=4, top_k=8, seed=3)
-    core = EngineCore(llama, drafter, num_slots=2, context_length=400, stop_ids=[], max_prompt_bucket=64)
+    core = EngineCore(llama, drafter, num_slots=2, context_length=500, stop_ids=[], max_prompt_bucket=64)
     assert core.capacity_buckets == [128, 256, core.capacity]
     core.warmup()
     assert (core.rows, core.cache_capacity) == (1, 128)

@@ -74,8 +74,9 @@ def cache_capacity(context_length: int, max_verify: int) -> int:
 
 
 def capacity_buckets(capacity: int) -> list[int]:
-    """The cache capacities a step may compile: powers of two from 128 below ``capacity``, then ``capacity``."""
-    sizes = [MIN_CAPACITY_BUCKET << i for i in range(capacity.bit_length()) if MIN_CAPACITY_BUCKET << i < capacity]
+    """The cache capacities a step may compile: powers of two from 128 up to half of ``capacity``, then
+    ``capacity`` itself (a context of 1024 + verify slack does not get a bucket of 1024 as well)."""
+    sizes = [MIN_CAPACITY_BUCKET << i for i in range(capacity.bit_length()) if 2 * (MIN_CAPACITY_BUCKET << i) <= capacity]
     return sizes + [capacity]
 
 
@@ -145,31 +146,53 @@ def refit(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int, c
     return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), (cache, pstate), extra)
 
 
-@functools.partial(jax.jit, static_argnames=("verify_len",), donate_argnames=("cache", "pstate"))
+@functools.partial(jax.jit, static_argnames=("verify_len", "max_rounds"), donate_argnames=("cache", "pstate"))
 def step(
     target: tgt.Target, proposer: Proposer, cache, pstate, anchor: Array, running: Array, remaining: Array,
-    key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, *, verify_len: int,
+    key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, num_rounds: Array,
+    *, verify_len: int, max_rounds: int,
 ):
-    """One engine step over the caches' ``R`` rows (the current row bucket): ``speculative_round``, the
-    round ``speculative_generate`` runs. The caches are donated and updated in place.
+    """One engine step: up to ``num_rounds`` (≤ ``max_rounds``, traced) rounds of ``speculative_round`` —
+    the round ``speculative_generate`` runs — over the caches' ``R`` rows (the current row bucket), in one
+    device loop that ends early once no row runs. Several rounds per dispatch keep the host's per-step
+    work (dispatch, read-back, streaming) off the critical path; the host asks for one round when
+    requests are waiting to be admitted. The caches are donated and updated in place.
 
     ``anchor [R]`` last emitted token per slot; ``running [R]`` bool; ``remaining [R]`` tokens the slot may
     still emit (≥ 1 for running slots); ``key_data [R, 2]``; per-slot sampling parameters ``[R]``
-    (temperature 0 = greedy). Returns the caches, emitted ``[R, T]``, ``n_keep [R]`` (tokens of emitted
-    to append, 0 for idle slots), ``accepted [R]`` (proposals verification accepted), ``hit_stop [R]``
-    (the kept tokens end on a stop id) and the next key data.
+    (temperature 0 = greedy). Returns the caches, then per round ``[max_rounds, R, …]``: emitted ``[.., T]``,
+    ``n_keep`` (tokens of emitted to append, 0 for rows that do not run), ``accepted`` (proposals
+    verification accepted) and ``hit_stop`` (the kept tokens end on a stop id); the rounds run and the
+    next key data.
     """
     state = RoundState(
         cache=cache, proposer_state=pstate, anchor=anchor, running=running, remaining=remaining,
         keys=jax.random.wrap_key_data(key_data),
     )
-    # ``counts`` only matters to reference-indexing proposers (tests), which the engine does not run.
-    state, out = speculative_round(
-        target, proposer, state, Sampling(temperature, top_p, top_k), stop_ids, jnp.zeros_like(remaining),
-        verify_len=verify_len, all_greedy=False,
+    sampling = Sampling(temperature, top_p, top_k)
+    rows = anchor.shape[0]
+    history = dict(
+        emitted=jnp.zeros((max_rounds, rows, verify_len), jnp.int32), n_keep=jnp.zeros((max_rounds, rows), jnp.int32),
+        accepted=jnp.zeros((max_rounds, rows), jnp.int32), hit_stop=jnp.zeros((max_rounds, rows), bool),
     )
-    return (state.cache, state.proposer_state, out.emitted, out.n_keep, out.accepted, out.hit_stop,
-            jax.random.key_data(state.keys))
+
+    def cond(carry):
+        done, state, _ = carry
+        return (done < num_rounds) & jnp.any(state.running)
+
+    def body(carry):
+        done, state, history = carry
+        # ``counts`` only matters to reference-indexing proposers (tests), which the engine does not run.
+        state, out = speculative_round(
+            target, proposer, state, sampling, stop_ids, jnp.zeros_like(remaining), verify_len=verify_len,
+            all_greedy=False,
+        )
+        history = {name: history[name].at[done].set(getattr(out, name)) for name in history}
+        return done + 1, state, history
+
+    done, state, history = jax.lax.while_loop(cond, body, (jnp.int32(0), state, history))
+    return (state.cache, state.proposer_state, history["emitted"], history["n_keep"], history["accepted"],
+            history["hit_stop"], done, jax.random.key_data(state.keys))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
@@ -208,13 +231,13 @@ class EngineCore:
         self, target: tgt.Target, drafter: Drafter | None, *, num_slots: int, context_length: int,
         verify_len: int | None = None, sps_table: dict[int, int] | None = None, stop_ids: Sequence[int] | None = None,
         bucket_rows: bool = True, mesh: Mesh | None = None, max_prompt_bucket: int = 256,
-        proposer: Proposer | None = None,
+        proposer: Proposer | None = None, max_rounds: int = 4,
     ):
         """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/parallel/mesh.py); the
         target and drafter are laid out on it here, and slots are split over ``data``.
         ``max_prompt_bucket``: the widest prefill chunk; longer prompts are prefilled in chunks.
         ``proposer``: drafts in place of ``drafter`` (tests and ceilings plug in an oracle; the verify
-        lengths still come from ``drafter``'s block)."""
+        lengths still come from ``drafter``'s block). ``max_rounds``: rounds per engine step (see ``step``)."""
         config = target.config
         dp = mesh.shape[DATA] if mesh is not None else 1
         if num_slots % dp:
@@ -241,6 +264,9 @@ class EngineCore:
             else:
                 self.verify_lengths = {1: max(2, min(verify_len or block, block))}
         self.max_verify = max(self.verify_lengths.values())
+        if max_rounds < 1:
+            raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
+        self.max_rounds = max_rounds
         self.prompt_widths = prompt_widths(context_length, max_prompt_bucket)
         self.capacity = cache_capacity(context_length, self.max_verify)
         stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
@@ -321,9 +347,9 @@ class EngineCore:
                 )
 
     def _needed_positions(self) -> int:
-        """Positions the occupied slots need for their next verify block."""
+        """Positions the occupied slots need for the verify blocks of their next step."""
         occupied = self.lengths[self.occupied]
-        return int(occupied.max()) + self.max_verify if occupied.size else 1
+        return int(occupied.max()) + self.max_rounds * self.max_verify if occupied.size else 1
 
     def _highest_occupied(self) -> int:
         occupied = np.flatnonzero(self.occupied)
@@ -387,7 +413,8 @@ class EngineCore:
         with use_mesh(self.mesh):
             self.cache, self.pstate = reset_slot(self.cache, self.pstate, jnp.int32(slot))
 
-    def step(self) -> StepResult:
+    def step(self, rounds: int | None = None) -> StepResult:
+        """Up to ``rounds`` rounds (default ``max_rounds``) for every running slot in one device call."""
         active = self.running.copy()
         n = int(active.sum())
         if n == 0:
@@ -395,31 +422,35 @@ class EngineCore:
         t = self.verify_len_for(n)
         self._fit(self._highest_occupied(), self._needed_positions())  # grows as rows advance, shrinks after releases
         r = self.rows
+        rounds = self.max_rounds if rounds is None else max(1, min(rounds, self.max_rounds))
         with use_mesh(self.mesh):
-            self.cache, self.pstate, emitted, n_keep, _, hit_stop, key_next = step(
+            self.cache, self.pstate, emitted, n_keep, _, hit_stop, done, key_next = step(
                 self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
                 jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
-                jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, verify_len=t,
+                jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, jnp.int32(rounds),
+                verify_len=t, max_rounds=self.max_rounds,
             )
-        emitted, n_keep, hit_stop, key_next = jax.device_get((emitted, n_keep, hit_stop, key_next))
+        emitted, n_keep, hit_stop, done, key_next = jax.device_get((emitted, n_keep, hit_stop, done, key_next))
         self.key_data[:r] = np.asarray(key_next, np.uint32)
-        tokens, finished, accepted = {}, {}, []
-        for i in np.flatnonzero(active):
-            i = int(i)
-            k = int(n_keep[i])
-            new = [int(x) for x in emitted[i, :k]]
-            tokens[i] = new
-            accepted.append(k)
-            if k:
-                self.anchor[i] = new[-1]
-            self.remaining[i] -= k
-            self.lengths[i] += k
-            if hit_stop[i]:
-                finished[i] = "stop"
-            elif self.remaining[i] <= 0:
-                finished[i] = "length"
-            if i in finished:
-                self.running[i] = False
+        tokens, finished, accepted = {int(i): [] for i in np.flatnonzero(active)}, {}, []
+        for j in range(int(done)):  # replay the rounds on the host mirror, in order
+            for i in tokens:
+                if i in finished:
+                    continue  # the device stopped this row too
+                k = int(n_keep[j, i])
+                new = [int(x) for x in emitted[j, i, :k]]
+                tokens[i] += new
+                accepted.append(k)
+                if k:
+                    self.anchor[i] = new[-1]
+                self.remaining[i] -= k
+                self.lengths[i] += k
+                if hit_stop[j, i]:
+                    finished[i] = "stop"
+                elif self.remaining[i] <= 0:
+                    finished[i] = "length"
+                if i in finished:
+                    self.running[i] = False
         return StepResult(tokens, finished, accepted, n)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:

@@ -255,7 +255,7 @@ class AsyncEngine:
         if core.num_running() == 0:
             return
         start = time.perf_counter()
-        result = core.step()
+        result = core.step()  # up to ``max_rounds`` rounds; a request arriving meanwhile waits that long
         self.metrics.record_step(result.accepted, time.perf_counter() - start)
         for slot, tokens in result.tokens.items():
             req = self.active.get(slot)
