@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from engine_vs_generate import run_engine  # experiments/serving/ (this script's directory is on sys.path)
 from flax import struct
 from jax.experimental import io_callback
-from load import FALLBACK_PROMPTS  # experiments/serving/load.py (this script's directory is on sys.path)
+from load import FALLBACK_PROMPTS
 
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.speculative import DrafterProposer
@@ -29,7 +29,7 @@ from dspine_jax.drafters.drafter import DraftOutput
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models.target import load_target
 from dspine_jax.models.tokenizer import load_tokenizer
-from dspine_jax.serve.engine import EngineCore, SlotParams
+from dspine_jax.serve.engine import EngineCore
 
 PROMPTS = FALLBACK_PROMPTS  # the HTTP load test's built-in prompts
 
@@ -86,27 +86,14 @@ def main() -> None:
                               verify_len=t, stop_ids=[], proposer=Oracle(drafter, a=a))
         for c in args.concurrency:
             # Warm-up (compile) pass on the same shapes, then the timed pass.
+            for s in range(c):
+                mapping[s] = s % len(prompts)
+            batch = [prompts[s % len(prompts)] for s in range(c)]
             for timed in (False, True):
-                outs, taus, steps = {}, [], 0
+                seconds, outs, steps, taus = run_engine(core, batch, n_new)
                 for s in range(c):
-                    mapping[s] = s % len(prompts)
-                    first, _ = core.add(s, prompts[s % len(prompts)], n_new, SlotParams())
-                    outs[s] = [first]
-                start = time.perf_counter()
-                while core.num_running():
-                    res = core.step()
-                    steps += 1
-                    taus += res.accepted
-                    for s, toks in res.tokens.items():
-                        outs[s] += toks
-                    for s in res.finished:
-                        core.release(s)
-                seconds = time.perf_counter() - start
-                for s in range(c):
-                    if core.occupied[s]:
-                        core.release(s)
                     assert outs[s] == refs[s % len(prompts)], (config, c, s)
-            tokens = sum(len(v) - 1 for v in outs.values())
+            tokens = sum(len(v) - 1 for v in outs)
             rec = dict(config=config, concurrency=c, steps=steps, tau=round(float(np.mean(taus)), 2),
                        ms_per_step=round(1000 * seconds / steps, 1), decode_tok_per_s=round(tokens / seconds, 2))
             records.append(rec)

@@ -33,15 +33,18 @@ PROMPTS = [
 ]
 
 
-def run_engine(core: EngineCore, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-    """Admit every prompt, step until all finish → (decode seconds, outputs); prefill time excluded."""
-    outs = {}
+def run_engine(core: EngineCore, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]], int, list[int]]:
+    """Admit every prompt (slot i ← prompt i), step until all finish → (decode seconds, outputs, engine
+    steps, per-round acceptance lengths); prefill time excluded."""
+    outs, steps, taus = {}, 0, []
     for slot, p in enumerate(prompts):
         first, _ = core.add(slot, p, n, SlotParams())
         outs[slot] = [first]
     start = time.perf_counter()
     while core.num_running():
         res = core.step()
+        steps += 1
+        taus += res.accepted
         for slot, toks in res.tokens.items():
             outs[slot] += toks
         for slot in res.finished:
@@ -50,7 +53,7 @@ def run_engine(core: EngineCore, prompts: list[list[int]], n: int) -> tuple[floa
     for slot in list(outs):
         if core.occupied[slot]:
             core.release(slot)
-    return seconds, [outs[i] for i in range(len(prompts))]
+    return seconds, [outs[i] for i in range(len(prompts))], steps, taus
 
 
 def main() -> None:
@@ -82,7 +85,7 @@ def main() -> None:
             result = generate(target, batch, n, stop_ids=[])
             ref = result.token_ids
             gen_rates.append(sum(map(len, ref)) / result.decode_seconds)
-            seconds, outs = run_engine(core, batch, n)
+            seconds, outs, _, _ = run_engine(core, batch, n)
             assert outs == ref, "the engine's greedy output differs from generate's"
             eng_rates.append(sum(map(len, outs)) / seconds)
         g, e = statistics.median(gen_rates), statistics.median(eng_rates)
