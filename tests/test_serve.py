@@ -78,7 +78,9 @@ def server(tmp_path_factory):
     tokenizer = load_tokenizer(model_dir)
     drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
     # Prompt widths 32 and 64 only, so a prompt of a few dozen words is prefilled in chunks.
-    core = EngineCore(target, drafter, num_slots=SLOTS, context_length=CONTEXT, max_prompt_bucket=64)
+    # The prefix cache is on, as by default in the CLI: every greedy-equality test below runs through it.
+    core = EngineCore(target, drafter, num_slots=SLOTS, context_length=CONTEXT, max_prompt_bucket=64,
+                      prefix_cache_bytes=1 << 28)
     core.warmup()
     app, engine = build_app(lambda: (core, tokenizer), ServerConfig(model_name="tiny"), max_queue=32)
     engine.start()
@@ -370,7 +372,8 @@ def test_failure_in_one_request_fails_only_it(server, monkeypatch):
 def test_metrics_prometheus(server):
     from prometheus_client.parser import text_string_to_metric_families
 
-    server["client"].completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=6, temperature=0)
+    for _ in range(2):  # the second one starts from the first one's cached row
+        server["client"].completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=6, temperature=0)
     r = httpx.get(server["base"] + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -384,6 +387,8 @@ def test_metrics_prometheus(server):
     assert gen > 0
     ok = sum(s.value for s in families["dspine_requests"].samples if s.labels.get("status") == "ok")
     assert ok >= 1
+    hits = families["dspine_prefix_cache_hits"].samples[0].value
+    assert hits >= 1 and 0 < families["dspine_prefix_cache_hit_rate"].samples[0].value <= 1
     json.dumps(r.text)  # plain text, no binary
 
 

@@ -245,3 +245,73 @@ def test_cache_capacity_follows_the_longest_request(llama, kind):
     assert seen[0] == 128 and 256 in seen and seen[-1] == 128 and core.capacity not in seen
     assert core.pstate.capacity == core.cache_capacity  # the drafter's ring moved with the target's cache
     assert eng.step._cache_size() == compiled
+
+
+def _multi_turn(turns: int, first_len: int = 20, answer: int = 6, message: int = 5) -> list[tuple[list[int], int]]:
+    """(prompt, budget) per turn of a replayed transcript: each prompt = the previous prompt + its answer
+    (filled in by the caller) + a new user message."""
+    rng = np.random.default_rng(4)
+    return [(rng.integers(3, 120, first_len if t == 0 else message).tolist(), answer) for t in range(turns)]
+
+
+def run_multi_turn(core: EngineCore, turns) -> tuple[list[list[int]], list[list[int]]]:
+    """Play the transcript through the engine; → (prompts, answers) per turn."""
+    prompts, answers, transcript = [], [], []
+    for message, budget in turns:
+        prompt = transcript + message
+        got, _, _ = run_engine(core, [prompt], [budget])
+        prompts.append(prompt)
+        answers.append(got[0])
+        transcript = prompt + got[0]
+    return prompts, answers
+
+
+@pytest.mark.parametrize("kind", ["dspine", None])
+def test_prefix_cache_multi_turn_reuses_rows_and_equals_generate(llama, kind):
+    """Each turn's prompt extends the last one's prompt + answer: from the second turn on, the prompt starts
+    from the cached row (only the new tokens are prefilled), and the greedy text equals ``generate``'s and
+    that of an engine without the cache."""
+    drafter = init_drafter(llama, kind, num_layers=1, block_size=4, top_k=8, seed=3) if kind else None
+    turns = _multi_turn(5)
+    cached = EngineCore(llama, drafter, num_slots=2, context_length=200, stop_ids=[], prefix_cache_bytes=1 << 30)
+    plain = EngineCore(llama, drafter, num_slots=2, context_length=200, stop_ids=[])
+    prompts, answers = run_multi_turn(cached, turns)
+    assert run_multi_turn(plain, turns) == (prompts, answers)
+    assert answers == [generate(llama, [p], b, stop_ids=[]).token_ids[0] for p, (_, b) in zip(prompts, turns)]
+    stats = cached.prefix_stats()
+    assert stats.lookups == 5 and stats.hits == 4
+    # Every hit reused the whole previous prompt + answer but its last token (never fed to the cache).
+    assert stats.hit_tokens == sum(len(p) + len(a) - 1 for p, a in zip(prompts[:-1], answers[:-1]))
+    assert stats.entries == 1  # each turn's row replaced the one it extends
+
+
+def test_prefix_cache_truncates_dense_rows_and_keeps_hybrid_rows_whole(tmp_path, llama):
+    """A prompt that shares only part of a finished row: a dense target keeps that part; a hybrid target
+    (GDN state at the row's end only) uses an entry only when the prompt extends all of it."""
+    from test_hybrid import make_tiny_hybrid
+
+    base = list(range(3, 40))
+    branch = base[:25] + [90, 91, 92]
+    for target, truncatable in ((llama, True), (load_target(make_tiny_hybrid("qwen3_5_text", tmp_path / "q", seed=0)[0]), False)):
+        core = EngineCore(target, None, num_slots=1, context_length=120, stop_ids=[], prefix_cache_bytes=1 << 30)
+        got, _, _ = run_engine(core, [base, branch], [4, 4])
+        assert got == [generate(target, [p], 4, stop_ids=[]).token_ids[0] for p in (base, branch)]
+        stats = core.prefix_stats()
+        assert (stats.hits, stats.hit_tokens) == ((1, 25) if truncatable else (0, 0))
+        hits = stats.hits
+        extended = base + got[0][:-1] + [77, 78]  # extends the first row whole (its last token was never fed)
+        again, _, _ = run_engine(core, [extended], [4])
+        assert again[0] == generate(target, [extended], 4, stop_ids=[]).token_ids[0]
+        assert core.prefix_stats().hits == hits + 1
+
+
+def test_prefix_cache_evicts_least_recently_used_under_its_budget(llama):
+    core = EngineCore(llama, None, num_slots=1, context_length=120, stop_ids=[], prefix_cache_bytes=1 << 30)
+    run_engine(core, [[5, 6, 7, 8]], [3])
+    one = core.prefix_stats().bytes
+    core.prefix_cache.budget = int(2.5 * one)
+    run_engine(core, [[9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]], [3, 3, 3])
+    stats = core.prefix_stats()
+    assert stats.entries == 2 and stats.evictions == 2 and stats.bytes <= core.prefix_cache.budget
+    firsts = [int(e.tokens[0]) for e in core.prefix_cache.entries.values()]
+    assert firsts == [13, 17]  # the two most recent

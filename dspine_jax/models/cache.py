@@ -51,6 +51,10 @@ class _Rows:
     def batch(self) -> int:
         return self.lengths.shape[0]
 
+    # Setting ``lengths = m`` keeps a valid cache of the first ``m`` tokens (the serving prefix cache
+    # reuses prefixes of finished rows). True for K/V; not for recurrent state, which exists only at the end.
+    prefix_truncatable = True
+
     def commit(self, num_tokens: Array):
         """Keep ``num_tokens [B]`` more tokens of the block just written."""
         return self.replace(lengths=self.lengths + num_tokens.astype(jnp.int32))
@@ -98,6 +102,7 @@ class HybridCache(_Rows):
     lengths: Array  # [B] int32, committed tokens per row
     # ``commit`` keeps the GDN state right only when it keeps the whole block; a shorter prefix needs
     # ``hybrid.replay`` (it rewinds the GDN state and commits in one step).
+    prefix_truncatable = False  # the GDN state is that of the last committed token only
 
 
 def init_hybrid_cache(config: HybridConfig, batch: int, capacity: int, dtype: jnp.dtype) -> HybridCache:

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=8, help="engine slots (requests decoded together)")
     p.add_argument("--rounds-per-step", type=int, default=4,
                    help="decode rounds per engine step (one device call; tokens stream in groups of this many rounds)")
+    p.add_argument("--prefix-cache-mb", type=float, default=512,
+                   help="device memory for finished requests' caches that later prompts sharing a prefix start from "
+                        "(multi-turn chat, agents); 0 turns the prefix cache off")
     p.add_argument("--max-queued-requests", type=int, default=64, help="waiting requests beyond which 429 is returned")
     p.add_argument("--context-length", type=int, default=None,
                    help="tokens per request, prompt + completion (default: min(model positions, 2048))")
@@ -114,7 +117,8 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
             log(f"mesh: data={args.dp} x model={args.tp} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
         core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
                           verify_len=args.block_size, sps_table=sps, mesh=mesh,
-                          max_prompt_bucket=args.warmup_prompt_buckets, max_rounds=args.rounds_per_step)
+                          max_prompt_bucket=args.warmup_prompt_buckets, max_rounds=args.rounds_per_step,
+                          prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     except ValueError as e:
         raise StartupError(str(e)) from None
     mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}" if drafter else "autoregressive"
@@ -128,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_running_requests < 1 or args.max_queued_requests < 0:
         sys.exit("error: --max-running-requests must be >= 1 and --max-queued-requests >= 0")
+    if args.prefix_cache_mb < 0:
+        sys.exit("error: --prefix-cache-mb must be >= 0")
     if args.rounds_per_step < 1:
         sys.exit("error: --rounds-per-step must be >= 1")
     if args.warmup_prompt_buckets < 1:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,7 @@ from dspine_jax.drafters.drafter import Drafter
 from dspine_jax.models import target as tgt
 from dspine_jax.parallel.mesh import DATA, use_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
+from dspine_jax.serve.prefix_cache import PrefixCache, PrefixStats
 
 MIN_PROMPT_BUCKET = 32
 MIN_CAPACITY_BUCKET = 128  # cache capacities the engine moves between: 128, 256, … and the whole context
@@ -124,6 +126,25 @@ def prefill_chunk(
     sampled, _ = accept_sampling(keys, logits, None, Sampling.rows(1, temperature, top_p, top_k))
     first = jnp.where(temperature > 0, sampled[0, 0], jnp.argmax(logits[0, 0]).astype(jnp.int32))
     return row, prow, first
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def start_row(proposer: Proposer, row, prow, keep: Array, *, capacity: int):
+    """A new request's batch-1 caches from a prefix-cache entry: its first ``keep`` tokens, in the slots'
+    capacity bucket, in buffers of their own (the entry stays intact for later requests)."""
+    own = lambda tree: jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), tree)  # noqa: E731
+    lengths = jnp.full((1,), keep, jnp.int32)
+    row = own(row.with_capacity(capacity)).replace(lengths=lengths)
+    if prow is not None:  # a drafter's context ring (lengths = committed context, like the target's)
+        prow = own(proposer.with_capacity(prow, capacity)).replace(lengths=lengths)
+    return row, prow
+
+
+@jax.jit
+def read_row(cache, pstate, slot: Array):
+    """Row ``slot`` of the slots' caches as batch-1 caches (a copy)."""
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
+    return jax.tree.map(take, cache), jax.tree.map(take, pstate)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
@@ -231,13 +252,15 @@ class EngineCore:
         self, target: tgt.Target, drafter: Drafter | None, *, num_slots: int, context_length: int,
         verify_len: int | None = None, sps_table: dict[int, int] | None = None, stop_ids: Sequence[int] | None = None,
         bucket_rows: bool = True, mesh: Mesh | None = None, max_prompt_bucket: int = 256,
-        proposer: Proposer | None = None, max_rounds: int = 4,
+        proposer: Proposer | None = None, max_rounds: int = 4, prefix_cache_bytes: int = 0,
     ):
         """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/parallel/mesh.py); the
         target and drafter are laid out on it here, and slots are split over ``data``.
         ``max_prompt_bucket``: the widest prefill chunk; longer prompts are prefilled in chunks.
         ``proposer``: drafts in place of ``drafter`` (tests and ceilings plug in an oracle; the verify
-        lengths still come from ``drafter``'s block). ``max_rounds``: rounds per engine step (see ``step``)."""
+        lengths still come from ``drafter``'s block). ``max_rounds``: rounds per engine step (see ``step``).
+        ``prefix_cache_bytes``: memory for finished rows that later prompts may start from (0: off;
+        ``prefix_cache.py``)."""
         config = target.config
         dp = mesh.shape[DATA] if mesh is not None else 1
         if num_slots % dp:
@@ -283,6 +306,9 @@ class EngineCore:
         self.top_k = np.zeros(s, np.int32)
         self.occupied = np.zeros(s, bool)
         self.lengths = np.zeros(s, np.int64)  # committed cache length per slot (host mirror)
+        self.history: dict[int, list[int]] = {}  # slot → prompt + emitted tokens
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self._warming = False
         self._seed_counter = 0
         # Step variants by rows covered: 1, 2, 4, … and S (``bucket_rows=False``: always S); under data
         # parallelism only multiples of the data groups, so every device keeps its own rows.
@@ -311,6 +337,7 @@ class EngineCore:
         self.occupied[:] = False
         self.remaining[:] = 0
         self.lengths[:] = 0
+        self.history.clear()
 
     # -- slots
     def free_slot(self) -> int | None:
@@ -376,14 +403,19 @@ class EngineCore:
         k_prefill, k_loop = jax.random.split(jax.random.wrap_key_data(key))
         sampling = (jax.random.key_data(k_prefill), jnp.float32(params.temperature), jnp.float32(params.top_p),
                     jnp.int32(params.top_k))
+        entry, keep = self._prefix_lookup(prompt)
         # The prompt's row lives in the slots' capacity bucket, which must hold every chunk (a 32-wide tail
         # included, see ``cache_capacity``) and the first verify block.
-        need = max(n + self.max_verify, -(-n // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET, self._needed_positions())
+        need = max(n + self.max_verify, keep + -(-(n - keep) // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET,
+                   self._needed_positions())
         self._fit(max(slot + 1, self._highest_occupied()), need)
         with use_mesh(self.mesh):
-            row, prow = empty_row(self.target, self.proposer, capacity=self.cache_capacity)
-            for offset, width in plan_prefill(n, self.prompt_widths, self.cache_capacity):
-                chunk = prompt[offset : offset + width]
+            if entry is None:
+                row, prow = empty_row(self.target, self.proposer, capacity=self.cache_capacity)
+            else:
+                row, prow = start_row(self.proposer, entry.row, entry.prow, jnp.int32(keep), capacity=self.cache_capacity)
+            for offset, width in plan_prefill(n - keep, self.prompt_widths, self.cache_capacity - keep):
+                chunk = prompt[keep + offset : keep + offset + width]
                 tokens = np.full((1, width), self.target.config.pad_token_id or 0, np.int32)
                 tokens[0, : len(chunk)] = chunk
                 row, prow, first = prefill_chunk(
@@ -393,6 +425,7 @@ class EngineCore:
         first = int(first)
         self.occupied[slot] = True
         self.lengths[slot] = n
+        self.history[slot] = prompt + [first]
         self.anchor[slot] = first
         self.remaining[slot] = max_new_tokens - 1
         self.key_data[slot] = np.asarray(jax.random.key_data(k_loop))
@@ -403,8 +436,36 @@ class EngineCore:
         self.running[slot] = reason is None
         return first, reason
 
+    def _prefix_lookup(self, prompt: list[int]) -> tuple[Any, int]:
+        """The prefix-cache entry to start ``prompt`` from and how many of its tokens to keep."""
+        if self.prefix_cache is None or self._warming:
+            return None, 0
+
+        def usable(entry, shared: int) -> int:
+            keep = shared if entry.truncatable else (len(entry.tokens) if shared == len(entry.tokens) else 0)
+            rest = -(-(len(prompt) - keep) // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET
+            return keep if keep + rest <= self.capacity else 0  # the rest's chunks must fit behind it
+
+        return self.prefix_cache.lookup(prompt, usable)
+
+    def _prefix_insert(self, slot: int) -> None:
+        """Keep a finished slot's row (its committed tokens) for later prompts that start the same way."""
+        committed = int(self.lengths[slot])
+        if self.prefix_cache is None or self._warming or not self.occupied[slot] or committed < 2:
+            return
+        with use_mesh(self.mesh):
+            row, prow = read_row(self.cache, self.pstate, jnp.int32(slot))
+        ring_ok = prow is None or committed <= prow.capacity  # a ring that never wrapped truncates like K/V
+        truncatable = bool(getattr(row, "prefix_truncatable", False)) and ring_ok
+        self.prefix_cache.insert(self.history[slot][:committed], row, prow, truncatable)
+
+    def prefix_stats(self) -> PrefixStats | None:
+        return None if self.prefix_cache is None else self.prefix_cache.stats
+
     def release(self, slot: int) -> None:
-        """Free ``slot`` at once (finished, cancelled or failed)."""
+        """Free ``slot`` at once (finished, cancelled or failed); its row goes to the prefix cache."""
+        self._prefix_insert(slot)
+        self.history.pop(slot, None)
         self.running[slot] = False
         self.occupied[slot] = False
         self.remaining[slot] = 0
@@ -440,6 +501,7 @@ class EngineCore:
                 k = int(n_keep[j, i])
                 new = [int(x) for x in emitted[j, i, :k]]
                 tokens[i] += new
+                self.history[i] += new
                 accepted.append(k)
                 if k:
                     self.anchor[i] = new[-1]
@@ -457,6 +519,7 @@ class EngineCore:
         """Compile every prefill width and step variant (verify lengths × row buckets) at every capacity
         bucket, so nothing compiles while serving but the (small) resizes between buckets."""
         bos = self.target.config.bos_token_id or 1
+        self._warming = True  # warmup rows stay out of the prefix cache
         try:
             for capacity in self.capacity_buckets:
                 self._forced_capacity = capacity
@@ -480,5 +543,5 @@ class EngineCore:
                             self.verify_lengths = table
                         self.release(slot)
         finally:
-            self._forced_capacity = None
+            self._forced_capacity, self._warming = None, False
         self._fit(0, 1)  # back to the smallest buckets

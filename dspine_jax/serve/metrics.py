@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 class Histogram:
@@ -43,6 +45,7 @@ class Metrics:
         self.latency = Histogram([0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300])
         self.ttft = Histogram([0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60])
         self._window = collections.deque()  # (time, tokens, step seconds)
+        self.prefix_stats: Callable[[], Any] | None = None  # the engine's prefix-cache counters, once it exists
 
     def set_max_acceptance(self, max_acceptance: int) -> None:
         """Acceptance-length buckets 1 … ``max_acceptance`` (the server learns it once the engine is built)."""
@@ -108,4 +111,18 @@ class Metrics:
                    [f"dspine_running_requests {self.running}"])
             metric("dspine_queued_requests", "gauge", "Requests waiting for a slot.",
                    [f"dspine_queued_requests {self.queued}"])
+            prefix = self.prefix_stats() if self.prefix_stats is not None else None
+            if prefix is not None:
+                for name, kind, help_, value in (
+                    ("lookups_total", "counter", "Prompts looked up in the prefix cache.", prefix.lookups),
+                    ("hits_total", "counter", "Prompts that started from a cached row.", prefix.hits),
+                    ("hit_tokens_total", "counter", "Prompt tokens taken from the cache instead of prefilled.",
+                     prefix.hit_tokens),
+                    ("hit_rate", "gauge", "Share of looked-up prompt tokens taken from the cache.",
+                     prefix.hit_tokens / prefix.prompt_tokens if prefix.prompt_tokens else 0.0),
+                    ("entries", "gauge", "Rows held.", prefix.entries),
+                    ("bytes", "gauge", "Device memory the rows hold.", prefix.bytes),
+                    ("evictions_total", "counter", "Rows evicted under the memory budget.", prefix.evictions),
+                ):
+                    metric(f"dspine_prefix_cache_{name}", kind, help_, [f"dspine_prefix_cache_{name} {_fmt(value)}"])
         return "\n".join(out) + "\n"

@@ -185,6 +185,7 @@ class AsyncEngine:
         try:
             self.core, self.tokenizer = self.load()
             self.metrics.set_max_acceptance(self.core.max_verify)
+            self.metrics.prefix_stats = self.core.prefix_stats
         except Exception as e:
             if not isinstance(e, StartupError):
                 traceback.print_exception(e)
