@@ -52,7 +52,8 @@ async def level(base: str, model: str, prompts: list[str], concurrency: int, max
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--flags", default="--no-speculative --context-length 1024 --max-running-requests 8")
+    # The prefix cache is off: the waves repeat the same prompts, which it would serve from cache.
+    ap.add_argument("--flags", default="--no-speculative --context-length 1024 --max-running-requests 8 --prefix-cache-mb 0")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--waves", type=int, default=3)
     ap.add_argument("--out", default=None)
