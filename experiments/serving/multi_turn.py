@@ -66,6 +66,26 @@ def prefix_metrics(base: str) -> dict[str, float]:
     return out
 
 
+def plot(report: dict, path: pathlib.Path) -> None:
+    """TTFT per turn, cache on and off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, label in (("cache_on", "prefix cache on"), ("cache_off", "prefix cache off")):
+        ttft = [t["ttft_s"] for t in report["runs"][name]["turns"]]
+        ax.plot(range(1, len(ttft) + 1), ttft, marker="o", label=label)
+    ax.set_xlabel("turn (each carries the whole transcript)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title("Multi-turn chat through the server (SmolLM2-135M, CPU)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -102,7 +122,11 @@ def main() -> None:
         report = {"machine": machine_info(), "flags": args.flags, "max_tokens": args.max_tokens, "runs": runs,
                   "identical_answers": all(same)}
         pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        plot(report, pathlib.Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--plot-only"]:  # redraw from a saved report: --plot-only REPORT.json
+        plot(json.loads(pathlib.Path(sys.argv[2]).read_text()), pathlib.Path(sys.argv[2]).with_suffix(".png"))
+    else:
+        main()
