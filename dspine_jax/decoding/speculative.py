@@ -67,6 +67,9 @@ class Proposer(Protocol):
     ``state`` is the proposer's own per-row cache (a pytree, donated to the loop). Invariant, as for
     the drafter: the anchor sits at position ``target_cache.lengths``; ``commit`` receives the target
     features of exactly the tokens committed to the target cache this round.
+
+    Optional: ``with_capacity(state, capacity)`` (the state for rows of up to ``capacity`` positions) lets
+    the serving engine move the state between its capacity buckets.
     """
 
     @property
