@@ -99,11 +99,16 @@ def plan_prefill(n: int, widths: Sequence[int], capacity: int) -> list[tuple[int
 # Jitted engine functions
 
 
+def _own_buffers(tree):
+    """Inside ``jit``: every leaf in a buffer of its own (donation needs it; a leaf passed through or
+    shared by two fields would alias)."""
+    return jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), tree)
+
+
 @functools.partial(jax.jit, static_argnames=("capacity",))
 def empty_row(target: tgt.Target, proposer: Proposer, *, capacity: int):
     """Batch-1 caches for a prompt being prefilled (its own buffers, apart from the slots' caches)."""
-    row = (tgt.init_cache(target, 1, capacity), proposer.init(target, 1, capacity))
-    return jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), row)  # a distinct buffer per leaf (donation)
+    return _own_buffers((tgt.init_cache(target, 1, capacity), proposer.init(target, 1, capacity)))
 
 
 @functools.partial(jax.jit, donate_argnames=("row", "prow"))
@@ -114,7 +119,7 @@ def prefill_chunk(
     """Prompt chunk ``tokens [1, W]`` (``length`` real tokens) appended to the batch-1 caches ``row`` /
     ``prow`` → those caches and the token after the chunk ``[]`` (only the last chunk's is used).
 
-    Compiled once per chunk width, whatever the slots' row bucket. ``temperature`` etc. are scalars
+    Compiled once per chunk width and capacity bucket, whatever the slots' row bucket. ``temperature`` etc. are scalars
     (this request's); temperature 0 = greedy."""
     lengths = length[None].astype(jnp.int32)
     hidden, tapped, row, saved = tgt.forward(target, row, tokens, proposer.taps)
@@ -132,11 +137,10 @@ def prefill_chunk(
 def start_row(proposer: Proposer, row, prow, keep: Array, *, capacity: int):
     """A new request's batch-1 caches from a prefix-cache entry: its first ``keep`` tokens, in the slots'
     capacity bucket, in buffers of their own (the entry stays intact for later requests)."""
-    own = lambda tree: jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), tree)  # noqa: E731
     lengths = jnp.full((1,), keep, jnp.int32)
-    row = own(row.with_capacity(capacity)).replace(lengths=lengths)
+    row = _own_buffers(row.with_capacity(capacity)).replace(lengths=lengths)
     if prow is not None:  # a drafter's context ring (lengths = committed context, like the target's)
-        prow = own(proposer.with_capacity(prow, capacity)).replace(lengths=lengths)
+        prow = _own_buffers(proposer.with_capacity(prow, capacity)).replace(lengths=lengths)
     return row, prow
 
 
