@@ -368,10 +368,11 @@ def prefill_impl(
 
 def loop_impl(
     target: tgt.Target, proposer: Proposer, cache, state, first: Array, key: Array, temperature: Array,
-    top_p: Array, stop_ids: Array, max_new_tokens: Array, *, out_width: int, verify_len: int, top_k: int,
+    top_p: Array, stop_ids: Array, max_new_tokens: Array, *, out_width: int, verify_len: int, top_k: Array | int,
     greedy: bool,
 ):
-    """Speculative rounds (``speculative_round``) until every row stops.
+    """Speculative rounds (``speculative_round``) until every row stops. ``top_k`` is traced here (the
+    round filters per row), so a new top-k does not recompile the loop.
 
     ``cache`` must have ``verify_len`` slack slots past the planned capacity (``speculative_generate``
     allocates them). Returns tokens ``[B, out_width + T]`` (row b's first ``counts[b]`` are valid),
@@ -445,7 +446,7 @@ def generate_impl(
 
 prefill = jax.jit(prefill_impl, static_argnames=("capacity", "top_k", "greedy"))
 speculative_loop = jax.jit(
-    loop_impl, static_argnames=("out_width", "verify_len", "top_k", "greedy"), donate_argnames=("cache", "state")
+    loop_impl, static_argnames=("out_width", "verify_len", "greedy"), donate_argnames=("cache", "state")
 )
 
 
@@ -566,7 +567,7 @@ def speculative_generate(
     loop_out, decode_seconds = clock.run(
         speculative_loop, target, proposer, cache, state, first, key_loop, temp, top_p_arr,
         jnp.asarray(stops, jnp.int32), jnp.int32(max_new_tokens), out_width=round_up(max_new_tokens, TOKEN_BUCKET),
-        verify_len=verify_len, top_k=top_k, greedy=greedy,
+        verify_len=verify_len, top_k=jnp.int32(top_k), greedy=greedy,
     )
     out, counts, stopped, kept, accepted, rounds, iterations = jax.device_get(loop_out[:7])
 
