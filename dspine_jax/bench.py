@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.speculative import speculative_generate
+from dspine_jax.decoding.speculative import parse_verify, speculative_generate
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models.hub import resolve_model_dir
 from dspine_jax.models.target import load_target
@@ -74,6 +74,7 @@ class Run:
     seconds: float
     token_ids: list[int]
     accepted: int | None = None  # output tokens produced by verify steps (bonus tokens included)
+    verify_lengths: list[int] | None = None  # per verify step (speculative systems)
     steps: int | None = None  # verify steps (target forwards that checked proposals)
 
     @property
@@ -88,13 +89,15 @@ def run_ours(target, prompt: list[int], n: int) -> Run:
     return Run(result.seconds, result.token_ids[0])
 
 
-def run_speculative(target, drafter, prompt: list[int], n: int) -> Run:
-    """τ = tokens per verify step; the first token is prefill's and not counted (``mean_acceptance``)."""
+def run_speculative(target, drafter, prompt: list[int], n: int, verify: int | str = "auto") -> Run:
+    """τ = tokens per verify step; the first token is prefill's and not counted (``mean_acceptance``).
+    ``verify="auto"``: the adaptive policy (its plain decode steps count as steps of τ 1)."""
 
-    result = speculative_generate(target, drafter, [prompt], n, stop_ids=[])
+    result = speculative_generate(target, drafter, [prompt], n, stop_ids=[], verify=verify)
     assert len(result.token_ids[0]) == n
     kept = result.acceptance_lengths[0]
-    return Run(result.seconds, result.token_ids[0], accepted=sum(kept), steps=len(kept))
+    return Run(result.seconds, result.token_ids[0], accepted=sum(kept), steps=len(kept),
+               verify_lengths=result.verify_lengths[0])
 
 
 def run_hf(model, prompt: list[int], n: int, prompt_lookup: int | None = None) -> Run:
@@ -243,18 +246,43 @@ def check_drafter(name: str, spec: str) -> None:
         raise FileNotFoundError(f"{flag} {spec}: not a drafter checkpoint directory (no config.json there)")
 
 
-def make_systems(model_dir: Path, dtype: str, n: int,
-                 drafters: Mapping[str, str]) -> dict[str, Callable[[list[int]], Run]]:
+def parse_system(name: str, drafters: Mapping[str, str]) -> tuple[str, str | None, int | str]:
+    """A system name → (kind, drafter spec, verify). ``hf``, ``hf_prompt_lookup`` and ``ours`` draft nothing;
+    ``ours+dflash`` / ``ours+dspine`` use the report's drafters and ``ours+init:dspine`` a fresh, untrained
+    one; a suffix ``@N`` fixes the verify length, ``@auto`` (the default) lets the policy choose it."""
+    base, _, verify = name.partition("@")
+    if base in ("hf", "hf_prompt_lookup", "ours"):
+        if verify:
+            raise ValueError(f"system {name!r}: only speculative systems (ours+…) take @verify")
+        return base, None, "auto"
+    if not base.startswith("ours+"):
+        raise ValueError(f"unknown system {name!r}: use hf, hf_prompt_lookup, ours, ours+dflash, ours+dspine or "
+                         "ours+init:dspine, optionally with @N or @auto")
+    spec = drafters.get(base, base.removeprefix("ours+"))
+    if not spec.startswith("init:") and base not in drafters:
+        raise ValueError(f"unknown drafter in system {name!r}")
+    return base, spec, parse_verify(verify or "auto")
 
-    ours, hf = load_target(model_dir, dtype=dtype), load_hf(model_dir, dtype)
-    dflash, dspine = load_draft(drafters["ours+dflash"], ours), load_draft(drafters["ours+dspine"], ours)
-    return {
-        "hf": lambda p: run_hf(hf, p, n),
-        "hf_prompt_lookup": lambda p: run_hf(hf, p, n, prompt_lookup=PROMPT_LOOKUP_TOKENS),
-        "ours": lambda p: run_ours(ours, p, n),
-        "ours+dflash": lambda p: run_speculative(ours, dflash, p, n),
-        "ours+dspine": lambda p: run_speculative(ours, dspine, p, n),
-    }
+
+def make_systems(model_dir: Path, dtype: str, n: int, drafters: Mapping[str, str],
+                 systems: Sequence[str] = SYSTEMS) -> dict[str, Callable[[list[int]], Run]]:
+
+    ours = load_target(model_dir, dtype=dtype)
+    hf = load_hf(model_dir, dtype) if any(s.startswith("hf") for s in systems) else None
+    loaded: dict[str, Any] = {}
+    out: dict[str, Callable[[list[int]], Run]] = {}
+    for name in systems:
+        base, spec, verify = parse_system(name, drafters)
+        if base == "hf":
+            out[name] = lambda p: run_hf(hf, p, n)
+        elif base == "hf_prompt_lookup":
+            out[name] = lambda p: run_hf(hf, p, n, prompt_lookup=PROMPT_LOOKUP_TOKENS)
+        elif base == "ours":
+            out[name] = lambda p: run_ours(ours, p, n)
+        else:
+            drafter = loaded.setdefault(spec, load_draft(spec, ours))
+            out[name] = lambda p, d=drafter, v=verify: run_speculative(ours, d, p, n, verify=v)
+    return out
 
 
 def measure_prompt(systems: Mapping[str, Callable[[list[int]], Run]], prompt: ReportPrompt, n: int,
@@ -269,7 +297,7 @@ def measure_prompt(systems: Mapping[str, Callable[[list[int]], Run]], prompt: Re
             tau = runs[name][-1].tau
             print(f"  {label} {prompt.source} {name}: {n / runs[name][-1].seconds:.1f} tok/s"
                   + (f" tau {tau:.2f}" if tau else ""), file=sys.stderr)
-    reference = warm["hf"].token_ids
+    reference = warm["hf" if "hf" in warm else "ours"].token_ids  # ours AR equals HF AR (test_smollm2)
     out = {"domain": prompt.domain, "source": prompt.source, "prompt_tokens": len(prompt.ids), "systems": {}}
     for name in names:
         rates = [n / x.seconds for x in runs[name]]
@@ -279,6 +307,8 @@ def measure_prompt(systems: Mapping[str, Callable[[list[int]], Run]], prompt: Re
             "tau": last.tau, "accepted_tokens": last.accepted, "verify_steps": last.steps,
             "matches_hf": all(x.token_ids == reference for x in [warm[name], *runs[name]]),
         }
+        if last.verify_lengths is not None:
+            out["systems"][name]["verify_lengths"] = last.verify_lengths
     return out
 
 
@@ -298,15 +328,17 @@ def summarize(entries: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
                 "matches_hf": all(c["matches_hf"] for c in cells), "prompts": len(cells),
             }
         for row in rows.values():
-            row["speedup_vs_hf"] = row["tokens_per_second"] / rows["hf"]["tokens_per_second"]
-            row["speedup_vs_ours"] = row["tokens_per_second"] / rows["ours"]["tokens_per_second"]
+            for ref in ("hf", "ours"):
+                if ref in rows:
+                    row[f"speedup_vs_{ref}"] = row["tokens_per_second"] / rows[ref]["tokens_per_second"]
         summary[domain] = rows
     return summary
 
 
 def build_report(model: str, n: int, repeats: int, per_domain: int, drafters: Mapping[str, str] | None = None,
                  dtypes: Sequence[str] = ("float32",), held: Mapping[str, Sequence[Mapping]] | None = None,
-                 data_dir: Path | None = None, torch_threads: int | None = None) -> dict[str, Any]:
+                 data_dir: Path | None = None, torch_threads: int | None = None,
+                 systems: Sequence[str] = SYSTEMS) -> dict[str, Any]:
     """Measure every system on every selected prompt, per dtype. ``held`` ({domain: [records]}) replaces
     the held-out data (tests); records carry chat ``messages`` or ready ``prompt_ids``. ``torch_threads``
     sets torch's intra-op threads for the HF systems (default: torch's own choice); recorded either way."""
@@ -318,8 +350,13 @@ def build_report(model: str, n: int, repeats: int, per_domain: int, drafters: Ma
         raise ValueError(f"--max-new-tokens and --repeats must be >= 1, got {n} and {repeats}")
     if per_domain < 1:
         raise ValueError(f"--prompts-per-domain must be >= 1, got {per_domain}")
+    if "ours" not in systems:
+        raise ValueError("--systems must include ours (our AR: the speedups' reference)")
+    for name in systems:
+        parse_system(name, drafters)  # unknown names fail before any model loads
     for name in ("ours+dflash", "ours+dspine"):
-        check_drafter(name, drafters[name])
+        if any(s.partition("@")[0] == name for s in systems):
+            check_drafter(name, drafters[name])
     if torch_threads is not None:
         if torch_threads < 1:
             raise ValueError(f"--torch-threads must be >= 1, got {torch_threads}")
@@ -331,12 +368,12 @@ def build_report(model: str, n: int, repeats: int, per_domain: int, drafters: Ma
     results = {}
     for dtype in dtypes:
         print(f"[{dtype}] loading {model} + drafters", file=sys.stderr)
-        systems = make_systems(model_dir, dtype, n, drafters)
-        entries = [measure_prompt(systems, p, n, repeats, f"[{dtype} {i + 1}/{len(prompts)}]")
+        runners = make_systems(model_dir, dtype, n, drafters, systems)
+        entries = [measure_prompt(runners, p, n, repeats, f"[{dtype} {i + 1}/{len(prompts)}]")
                    for i, p in enumerate(prompts)]
         results[dtype] = {"summary": summarize(entries), "prompts": entries}
     return {"model": model, "max_new_tokens": n, "repeats": repeats, "prompts_per_domain": per_domain,
-            "greedy": True, "systems": list(SYSTEMS), "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+            "greedy": True, "systems": list(systems), "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
             "drafters": {k: _shown(drafters[k]) for k in ("ours+dflash", "ours+dspine")}, "dtypes": list(dtypes),
             "machine": machine_info(), "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
             "results": results}
@@ -390,17 +427,18 @@ def report_markdown(report: dict[str, Any]) -> str:
         for s in systems:
             row = summary["all"][s]
             lines.append(f"| {s} | {row['tokens_per_second']:.1f} | {_fmt(row['tau'], '.2f')} | "
-                         f"{row['speedup_vs_hf']:.2f}× | {row['speedup_vs_ours']:.2f}× | "
+                         f"{_fmt(row.get('speedup_vs_hf'), '.2f', '×')} | {row['speedup_vs_ours']:.2f}× | "
                          f"{'yes' if row['matches_hf'] else 'NO'} |")
         spec = [s for s in systems if summary["all"][s]["tau"] is not None]
         lines += ["", "tokens/s per domain", ""] + _table(summary, systems, lambda c: f"{c['tokens_per_second']:.1f}")
         lines += ["", "τ per domain", ""] + _table(summary, spec, lambda c: _fmt(c["tau"], ".2f"))
         lines += ["", "speedup per domain (× HF AR / × ours AR)", ""] + _table(
-            summary, systems, lambda c: f"{c['speedup_vs_hf']:.2f}× / {c['speedup_vs_ours']:.2f}×")
+            summary, systems, lambda c: f"{_fmt(c.get('speedup_vs_hf'), '.2f', '×')} / {c['speedup_vs_ours']:.2f}×")
         lines.append("")
     lines += ["τ: ours = output tokens per verify step after the prefill token (`mean_acceptance`); HF prompt "
               "lookup = new tokens / target forwards (its prefill forward also verifies lookup candidates). "
-              "\"tokens = HF AR\": the system's token ids equal HF greedy AR's on every prompt.", ""]
+              "\"tokens = HF AR\": the system's token ids equal HF greedy AR's on every prompt (ours AR's when hf is "
+              "not among the systems; the two are equal, tests/test_smollm2.py).", ""]
     return "\n".join(lines)
 
 
@@ -464,7 +502,8 @@ def report_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     try:
         report = build_report(args.model, args.max_new_tokens, args.repeats, args.prompts_per_domain, drafters,
                               (args.dtypes or "float32").split(","), data_dir=args.data,
-                              torch_threads=args.torch_threads)
+                              torch_threads=args.torch_threads,
+                              systems=args.systems.split(",") if args.systems else SYSTEMS)
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"error: {e}\n")
     paths = write_report(report, args.out or Path("experiments/results/report.json"))
@@ -488,6 +527,9 @@ def main(argv: list[str] | None = None) -> None:
     report.add_argument("--dflash", help=f"DFlash drafter (default {DEFAULT_DRAFTERS['ours+dflash']})")
     report.add_argument("--dspine", help=f"DSpine drafter (default {DEFAULT_DRAFTERS['ours+dspine']})")
     report.add_argument("--data", type=Path, help="drafter data dir with prompts*.json (default: the cache's)")
+    report.add_argument("--systems", help="comma-separated systems (default: " + ",".join(SYSTEMS) + "); a "
+                        "speculative one takes @N (fixed verify length) or @auto (default), and ours+init:dspine "
+                        "is a fresh, untrained drafter; without hf, tokens are checked against ours AR")
     report.add_argument("--torch-threads", type=int,
                         help="torch intra-op threads for the HF systems (default: torch's)")
     args = parser.parse_args(argv)

@@ -34,7 +34,7 @@ def check_args(parser, args) -> None:
     except ValueError as e:
         parser.error(f"invalid sampling parameters: {e}")
     if args.draft is None:
-        for flag, value in (("--block-size", args.block_size), ("--sps-table", args.sps_table)):
+        for flag, value in (("--verify", args.verify), ("--block-size", args.block_size), ("--sps-table", args.sps_table)):
             if value is not None:
                 parser.error(f"{flag} sets up speculative decoding: it needs --draft")
         return
@@ -42,11 +42,15 @@ def check_args(parser, args) -> None:
         limit = drafter_io.draft_block_size(args.draft)  # reads a checkpoint's config.json, not its weights
     except (ValueError, OSError) as e:
         parser.error(f"--draft: {e}")
-    try:
-        if args.block_size is not None:
-            speculative.check_block_size(args.block_size, limit)
-    except ValueError as e:
-        parser.error(f"--block-size: {e}")
+    for flag, value in (("--verify", args.verify), ("--block-size", args.block_size)):
+        try:
+            verify = speculative.parse_verify(value) if value is not None else "auto"
+            if verify != "auto":
+                speculative.check_block_size(verify, limit)
+        except ValueError as e:
+            parser.error(f"{flag}: {e}")
+    if args.verify not in (None, "auto") and args.block_size is not None and int(args.verify) != args.block_size:
+        parser.error("--verify and --block-size both fix the verify length: give one")
     try:
         if args.sps_table is not None:
             speculative.load_sps_table(args.sps_table)
@@ -67,7 +71,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
     parser.add_argument("--draft", help="drafter checkpoint dir (or init:dspine / init:dflash) for speculative decoding")
-    parser.add_argument("--block-size", type=int, help="speculative verify length (anchor included)")
+    parser.add_argument("--verify", help="tokens per verify step (anchor included): 'auto' (default with --draft: "
+                        "chosen every round from the measured acceptance and the device's cost per length; 1 = a "
+                        "plain decode step) or a fixed length N")
+    parser.add_argument("--block-size", type=int, help="a fixed verify length (the older name of --verify N)")
     parser.add_argument("--sps-table", help="dynamic-verification table from python -m dspine_jax.tune")
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -95,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.draft:
             drafter = drafter_io.load_draft(args.draft, target)
             result = speculative.speculative_generate(target, drafter, [prompt], max_new_tokens, **sampling,
-                                          block_size=args.block_size, sps_table=args.sps_table)
+                                                      verify=args.verify or "auto", block_size=args.block_size,
+                                                      sps_table=args.sps_table)
         else:
             result = generate(target, [prompt], max_new_tokens, **sampling)
     except (ValueError, FileNotFoundError) as e:
@@ -113,11 +121,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.draft:
             record["acceptance_lengths"] = result.acceptance_lengths[0]
             record["mean_acceptance"] = round(result.mean_acceptance, 4)
+            record["verify_lengths"] = result.verify_lengths[0]
+            record["calibration_seconds"] = round(result.calibration_seconds, 4)
         print(json.dumps(record))
     else:
         print(text)
+        calibration = getattr(result, "calibration_seconds", 0.0)
+        extra = f", verify-cost calibration {calibration:.1f}s (once)" if calibration else ""
         print(f"[{len(tokens)} tokens in {result.seconds:.2f}s, {result.tokens_per_second:.1f} tok/s; "
-              f"compilation {result.compile_seconds:.1f}s, not included; finish: {result.finish_reasons[0]}]",
+              f"compilation {result.compile_seconds:.1f}s{extra}, not included; finish: {result.finish_reasons[0]}]",
               file=sys.stderr)
 
 

@@ -3,6 +3,8 @@ multi-token acceptance from an oracle drafter), per-row logits processing, per-r
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,12 +124,51 @@ def test_speculative_engine_oracle_multi_token(llama):
             return DraftOutput(tokens=tokens, cand_ids=tokens[..., None], q=jnp.ones((*tokens.shape, 1), jnp.float32))
 
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=5, top_k=8, seed=3)
-    core = EngineCore(llama, drafter, num_slots=3, context_length=64, stop_ids=[stop_token], proposer=Oracle(drafter))
+    core = EngineCore(llama, drafter, num_slots=3, context_length=64, stop_ids=[stop_token], proposer=Oracle(drafter),
+                      verify=5)  # fmt: skip
 
     got, reasons, taus = run_engine(core, PROMPTS, BUDGETS, on_admit=mapping.__setitem__)
     assert got == ref
     assert reasons == ref_reasons
     assert max(taus) == 5 and min(taus) >= 1 and len(set(taus)) >= 3
+
+
+def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, monkeypatch):
+    """``verify="auto"`` (the default): the first steps of a row bucket run pinned lengths and time them (exact
+    all the same); the medians are stored on disk and later engines read them; with costs that make
+    drafting pointless the policy settles on plain decode steps."""
+    from dspine_jax.decoding import adaptive
+
+    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path))
+    ref = generate(llama, [PROMPTS[0]], 60, stop_ids=[]).token_ids[0]
+    drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
+    core = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[])
+    assert core.candidates == (1, 2, 4) and core.max_verify == 4
+    first, _ = core.add(0, PROMPTS[0], 60, SlotParams())
+    out, seen = [first], []
+    while core.running[0]:
+        result = core.step(rounds=1)
+        out += result.tokens.get(0, [])
+        seen += result.verify_lengths
+    assert out == ref
+    assert set(seen) == {1, 2, 4}  # calibration pinned every length
+    assert set(core.costs[1]) == {1, 2, 4} and all(v > 0 for v in core.costs[1].values())
+    (key, stored), = json.loads((tmp_path / adaptive.COSTS_FILE).read_text()).items()
+    assert "|b1|" in key and {int(t): v for t, v in stored.items()} == core.costs[1]
+    again = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[])
+    policy, pinned = again.policy_for(1, 1)  # read from disk: no calibration
+    assert pinned is None and np.allclose(np.asarray(policy.costs), [core.costs[1][t] for t in (1, 2, 4)])
+
+    pointless = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[],
+                           verify_costs={1: {1: 1.0, 2: 5.0, 4: 9.0}})  # fmt: skip
+    first, _ = pointless.add(0, PROMPTS[0], 60, SlotParams())
+    out, seen = [first], []
+    while pointless.running[0]:
+        result = pointless.step(rounds=1)
+        out += result.tokens.get(0, [])
+        seen += result.verify_lengths
+    assert out == ref
+    assert seen[0] == 1 and sum(t > 1 for t in seen) <= 3  # only probes draft
 
 
 def test_process_rows_matches_per_row():

@@ -195,3 +195,37 @@ def test_hybrid_greedy_matches_ar(hybrid):
         [int(accept[b, r % 5]) + 1 for r in range(len(k) - 1)] for b, k in enumerate(result.acceptance_lengths)
     ]
     check_accounting(result)
+
+
+# ----------------------------------------------------------------------------------------------
+# Adaptive verification: the length changes between rounds (pinned here, so every switch is exercised).
+
+
+def test_adaptive_lengths_changing_every_round_match_generate(targets, references):
+    target = targets["llama"]
+    drafter = init_drafter(target, "dspine", num_layers=1, block_size=8, top_k=8, seed=4)
+    schedule = [2, 8, 1, 4]
+    result = speculative_generate(target, drafter, PROMPTS, MAX_NEW, stop_ids=[], verify_schedule=schedule)
+    assert result.token_ids == references["llama"]
+    assert all(row == (schedule * MAX_NEW)[: len(row)] for row in result.verify_lengths)
+    assert all(k == 1 for row, ks in zip(result.verify_lengths, result.acceptance_lengths)
+               for t, k in zip(row, ks) if t == 1)  # fmt: skip
+    check_accounting(result)
+    with pytest.raises(ValueError, match="pins the lengths"):
+        speculative_generate(target, drafter, PROMPTS, MAX_NEW, verify=4, verify_schedule=schedule)
+
+
+def test_hybrid_adaptive_lengths_replay_exactly(hybrid):
+    """GDN replay after rounds of 16, 1, 4 and 2 tokens (an oracle: acceptance is known per round)."""
+    target, reference = hybrid
+    accept = every_length_schedule()
+    schedule = [16, 1, 4, 2]
+    result = speculative_generate(
+        target, oracle(reference, accept, target.config.vocab_size), PROMPTS, MAX_NEW, stop_ids=[],
+        verify_schedule=schedule, verify_costs={1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0},
+    )
+    assert result.token_ids == reference
+    for b, (lengths, kept) in enumerate(zip(result.verify_lengths, result.acceptance_lengths)):
+        assert lengths == (schedule * MAX_NEW)[: len(lengths)]
+        assert kept[:-1] == [min(int(accept[b, r % 5]) + 1, t) for r, t in enumerate(lengths[:-1])]
+    check_accounting(result)

@@ -470,3 +470,21 @@ def test_cli_taps_and_init_from_target(tiny_models, tiny_target, tiny_dataset, t
     write_card(out, tmp_path / "card", data=data)
     card = (tmp_path / "card" / "README.md").read_text()
     assert "--target-layers 0,2 --init-from-target" in card and "initialised from the target's last 1" in card
+    # A second stage continues from the export: same shape, taps and mask token, and its first step starts
+    # from the exported weights (float32), not from a fresh init.
+    stage2 = tmp_path / "stage2"
+    main(["--target", str(tiny_models["llama"][0]), "--kind", "dflash", "--data", str(data), "--out", str(stage2),
+          "--steps", "1", "--batch-size", "2", "--anchors", "2", "--max-len", "24", "--init-from", str(out / "export"),
+          "--no-progress"])  # fmt: skip
+    run2 = json.loads((stage2 / "run.json").read_text())
+    assert run2["layers"] == 1 and run2["target_layers"] == "0,2" and run2["mask_token_id"] == exported["dflash_config"]["mask_token_id"]
+    start = build_drafter(target, run2)
+    np.testing.assert_array_equal(np.asarray(start.params.layers[0].down),
+                                  np.asarray(load_drafter(out / "export", target, dtype="float32").params.layers[0].down))
+    assert not np.array_equal(np.asarray(start.params.layers[0].down), np.asarray(last.down))  # stage 1 trained it
+    write_card(stage2, tmp_path / "card2", data=data)
+    card2 = (tmp_path / "card2" / "README.md").read_text()
+    assert f"--init-from {out / 'export'}" in card2 and "second training stage" in card2
+    with pytest.raises(SystemExit, match="is a dflash drafter"):
+        main(["--target", str(tiny_models["llama"][0]), "--kind", "dspine", "--data", str(data),
+              "--out", str(tmp_path / "bad"), "--steps", "1", "--init-from", str(out / "export"), "--no-progress"])

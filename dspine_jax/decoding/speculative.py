@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -46,11 +48,15 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
+from dspine_jax.decoding import adaptive
+from dspine_jax.decoding.adaptive import VerifyPolicy
 from dspine_jax.decoding.planning import CompileTimer, GenerationResult, finish_reasons, plan_request, round_up
 from dspine_jax.decoding.sampling import Sampling, categorical_rows, process_rows, sample, split_rows
 from dspine_jax.drafters.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache, resize_ring
 from dspine_jax.drafters.io import check_compatible
 from dspine_jax.models import target as tgt
+
+_log = logging.getLogger("dspine_jax")
 
 TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
 STOP_BUCKET = 8  # stop ids are padded with -1 to a multiple of this, so their count does not recompile
@@ -366,21 +372,68 @@ def prefill_impl(
     return cache, state, first
 
 
+@struct.dataclass
+class LoopOutput:
+    """``loop_impl``'s result (shapes in its docstring)."""
+
+    tokens: Array
+    counts: Array
+    stopped: Array
+    kept: Array
+    accepted: Array
+    lengths: Array
+    rounds: Array
+    iterations: Array
+    cache: Any
+    proposer_state: Any
+
+
+def policy_round(
+    target: tgt.Target, proposer: Proposer, policy: VerifyPolicy, state: RoundState, pstate: adaptive.PolicyState,
+    sampling: Sampling, stop_ids: Array, counts: Array, round_index: Array, *, all_greedy: bool,
+) -> tuple[RoundState, adaptive.PolicyState, RoundOutput, Array]:
+    """One ``speculative_round`` at the length ``policy`` picks (a fixed policy: its one length, no choice
+    compiled), the statistics updated. Returns the states, the output (``emitted`` padded to
+    ``policy.max_length``) and the verify length used (int32 scalar)."""
+    t_max = policy.max_length
+
+    def at(length: int):
+        def run(s: RoundState) -> tuple[RoundState, RoundOutput]:
+            s, out = speculative_round(
+                target, proposer, s, sampling, stop_ids, counts, verify_len=length, all_greedy=all_greedy
+            )
+            return s, out.replace(emitted=jnp.pad(out.emitted, ((0, 0), (0, t_max - length))))
+
+        return run
+
+    running = state.running
+    if not policy.adaptive:
+        state, out = at(t_max)(state)
+        length = jnp.int32(t_max)
+    else:
+        choice = adaptive.choose(policy, pstate, running, state.remaining, round_index)
+        state, out = jax.lax.switch(choice, [at(t) for t in policy.lengths], state)
+        length = jnp.asarray(policy.lengths, jnp.int32)[choice]
+    return state, adaptive.update(pstate, length, out.accepted, running), out, length
+
+
 def loop_impl(
     target: tgt.Target, proposer: Proposer, cache, state, first: Array, key: Array, temperature: Array,
-    top_p: Array, stop_ids: Array, max_new_tokens: Array, *, out_width: int, verify_len: int, top_k: Array | int,
-    greedy: bool,
+    top_p: Array, stop_ids: Array, max_new_tokens: Array, policy: VerifyPolicy, max_rounds: Array | None = None,
+    *, out_width: int, top_k: Array | int, greedy: bool,
 ):
-    """Speculative rounds (``speculative_round``) until every row stops. ``top_k`` is traced here (the
-    round filters per row), so a new top-k does not recompile the loop.
+    """Speculative rounds (``policy_round``) until every row stops (or after ``max_rounds`` rounds). ``top_k``
+    is traced here (the round filters per row), so a new top-k does not recompile the loop; so are the
+    policy's costs and schedule.
 
-    ``cache`` must have ``verify_len`` slack slots past the planned capacity (``speculative_generate``
+    ``cache`` must have ``policy.max_length`` slack slots past the planned capacity (``speculative_generate``
     allocates them). Returns tokens ``[B, out_width + T]`` (row b's first ``counts[b]`` are valid),
     counts ``[B]``, stopped ``[B]`` (ended on a stop id), kept ``[B, out_width]`` (tokens each verify
     step added to the row's output), accepted ``[B, out_width]`` (proposals the step accepted, before
-    stop/budget cuts), rounds ``[B]`` (verify steps per row), loop iterations, and the final caches.
+    stop/budget cuts), lengths ``[B, out_width]`` (the step's verify length), rounds ``[B]`` (verify steps
+    per row), loop iterations, and the final caches.
     """
-    t = verify_len
+    t = policy.max_length
     batch = first.shape[0]
     capacity = cache.capacity - t  # planned capacity; the T slots beyond it are verify slack
     out = jnp.zeros((batch, out_width + t), jnp.int32).at[:, 0].set(first)
@@ -394,60 +447,65 @@ def loop_impl(
     )
     rows = jnp.arange(batch)
     slots = jnp.arange(t)[None, :]  # [1, T]
+    limit = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
 
     def cond(carry) -> Array:
-        return jnp.any(carry["round"].running)
+        return jnp.any(carry["round"].running) & (carry["iterations"] < limit)
 
     def body(carry):
         running, counts = carry["round"].running, carry["counts"]
-        round_state, result = speculative_round(
-            target, proposer, carry["round"], sampling, stop_ids, counts, verify_len=t, all_greedy=greedy
+        round_state, pstate, result, length = policy_round(
+            target, proposer, policy, carry["round"], carry["policy"], sampling, stop_ids, counts,
+            carry["iterations"], all_greedy=greedy,
         )
         n_keep = result.n_keep
         columns = jnp.where(slots < n_keep[:, None], counts[:, None] + slots, carry["out"].shape[1])  # out of range → dropped
         record = jnp.where(running, carry["rounds"], out_width)  # out of range → dropped
         return dict(
-            round=round_state, out=carry["out"].at[rows[:, None], columns].set(result.emitted, mode="drop"),
+            round=round_state, policy=pstate, out=carry["out"].at[rows[:, None], columns].set(result.emitted, mode="drop"),
             counts=counts + n_keep, stopped=carry["stopped"] | result.hit_stop,
             kept=carry["kept"].at[rows, record].set(n_keep, mode="drop"),
             accepted=carry["accepted"].at[rows, record].set(result.accepted, mode="drop"),
+            lengths=carry["lengths"].at[rows, record].set(length, mode="drop"),
             rounds=carry["rounds"] + running, iterations=carry["iterations"] + 1,
         )
 
     history = jnp.zeros((batch, out_width), jnp.int32)
     carry = dict(
-        round=round_state, out=out, counts=jnp.ones((batch,), jnp.int32), stopped=stopped, kept=history,
-        accepted=history, rounds=jnp.zeros((batch,), jnp.int32), iterations=jnp.zeros((), jnp.int32),
+        round=round_state, policy=adaptive.init_state(batch, t), out=out, counts=jnp.ones((batch,), jnp.int32),
+        stopped=stopped, kept=history, accepted=history, lengths=history, rounds=jnp.zeros((batch,), jnp.int32),
+        iterations=jnp.zeros((), jnp.int32),
     )
     carry = jax.lax.while_loop(cond, body, carry)
-    return (
-        carry["out"], carry["counts"], carry["stopped"], carry["kept"], carry["accepted"], carry["rounds"],
-        carry["iterations"], carry["round"].cache, carry["round"].proposer_state,
+    return LoopOutput(
+        tokens=carry["out"], counts=carry["counts"], stopped=carry["stopped"], kept=carry["kept"],
+        accepted=carry["accepted"], lengths=carry["lengths"], rounds=carry["rounds"],
+        iterations=carry["iterations"], cache=carry["round"].cache, proposer_state=carry["round"].proposer_state,
     )
 
 
 def generate_impl(
     target: tgt.Target, proposer: Proposer, tokens: Array, lengths: Array, key: Array, temperature: Array,
-    top_p: Array, stop_ids: Array, max_new_tokens: Array, *, capacity: int, out_width: int, verify_len: int,
-    top_k: int, greedy: bool,
-):
+    top_p: Array, stop_ids: Array, max_new_tokens: Array, policy: VerifyPolicy | None = None, *, capacity: int,
+    out_width: int, top_k: int, greedy: bool, verify_len: int | None = None,
+) -> LoopOutput:
     """Prefill + loop as one pure function (``jax.vmap``-able: the statistical tests draw many samples
-    with it). ``capacity`` is the physical cache size (planned + ``verify_len``)."""
+    with it). ``capacity`` is the physical cache size (planned + the longest verify); ``verify_len`` is
+    shorthand for a fixed policy."""
+    policy = adaptive.fixed_policy(verify_len) if policy is None else policy
     key_prefill, key_loop = jax.random.split(key)
     cache, state, first = prefill_impl(
         target, proposer, tokens, lengths, key_prefill, temperature, top_p, capacity=capacity, top_k=top_k,
         greedy=greedy,
     )
     return loop_impl(
-        target, proposer, cache, state, first, key_loop, temperature, top_p, stop_ids, max_new_tokens,
-        out_width=out_width, verify_len=verify_len, top_k=top_k, greedy=greedy,
+        target, proposer, cache, state, first, key_loop, temperature, top_p, stop_ids, max_new_tokens, policy,
+        out_width=out_width, top_k=top_k, greedy=greedy,
     )
 
 
 prefill = jax.jit(prefill_impl, static_argnames=("capacity", "top_k", "greedy"))
-speculative_loop = jax.jit(
-    loop_impl, static_argnames=("out_width", "verify_len", "greedy"), donate_argnames=("cache", "state")
-)
+speculative_loop = jax.jit(loop_impl, static_argnames=("out_width", "greedy"), donate_argnames=("cache", "state"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,8 +552,13 @@ class SpeculativeResult(GenerationResult):
     acceptance_lengths: list[list[int]]
     # Per row, per verify step: proposals accepted by verification, before stop / budget cuts (tune.py).
     accepted_proposals: list[list[int]]
-    verify_length: int  # T: tokens per verify forward (anchor + T-1 proposals)
+    verify_length: int  # the longest verify (anchor + proposals) a step could use: the fixed T, or auto's largest
     num_iterations: int  # while_loop iterations (= verify steps of the longest-running row)
+    # Per row, per verify step: the verify length it ran at (1 = a plain decode step, nothing drafted).
+    verify_lengths: list[list[int]] = dataclasses.field(default_factory=list)
+    # Measuring the verify cost model (``verify="auto"``, once per device/model/drafter/batch bucket, then
+    # cached on disk); like compilation, not part of ``seconds``.
+    calibration_seconds: float = 0.0
 
     @property
     def mean_acceptance(self) -> float:
@@ -505,26 +568,72 @@ class SpeculativeResult(GenerationResult):
 
 
 def check_block_size(block_size: int, limit: int | None) -> None:
-    """A verify length is the anchor plus at least one proposal, and at most the drafter's block (``limit``)."""
+    """A fixed verify length is the anchor plus at least one proposal, and at most the drafter's block
+    (``limit``)."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
-        raise ValueError(f"block_size must be an integer >= 2 (anchor + proposals), got {block_size!r}")
+        raise ValueError(f"a fixed verify length must be an integer >= 2 (anchor + proposals), got {block_size!r}")
     if limit is not None and block_size > limit:
-        raise ValueError(f"block_size {block_size} exceeds the drafter's block size {limit}")
+        raise ValueError(f"verify length {block_size} exceeds the drafter's block size {limit}")
 
 
-def resolve_verify_length(proposer: Proposer, batch: int, block_size: int | None, sps_table) -> int:
-    """``block_size`` if given, else the sps table's entry for ``batch``, else the drafter's block size;
-    capped at the drafter's block size."""
-    limit = proposer.drafter.config.block_size if isinstance(proposer, DrafterProposer) else None
+def parse_verify(verify: int | str) -> int | str:
+    """``"auto"`` or a fixed verify length (an int, or its decimal text as the CLIs pass it)."""
+    if isinstance(verify, str) and verify != "auto":
+        if not verify.isdigit():
+            raise ValueError(f"verify must be 'auto' or a verify length (an integer >= 2), got {verify!r}")
+        verify = int(verify)
+    return verify
+
+
+def proposer_block(proposer: Proposer) -> int | None:
+    """The longest verify the proposer supports (a drafter's block; None: no limit)."""
+    return proposer.drafter.config.block_size if isinstance(proposer, DrafterProposer) else None
+
+
+def resolve_verify(proposer: Proposer, batch: int, verify: int | str, block_size: int | None, sps_table) -> int | None:
+    """A fixed verify length, or None for the adaptive policy. In order: ``block_size`` (the older name of
+    a fixed ``verify``), the sps table's entry for ``batch`` (capped at the drafter's block), ``verify``."""
+    limit = proposer_block(proposer)
+    verify = parse_verify(verify)
     if block_size is not None:
-        check_block_size(block_size, limit)
-        return block_size
+        if verify != "auto" and verify != block_size:
+            raise ValueError(f"verify={verify!r} and block_size={block_size} disagree: give one")
+        verify = block_size
     if sps_table is not None:
         length = verify_length_for_batch(load_sps_table(sps_table), batch)
         return min(length, limit) if limit is not None else length
-    if limit is None:
-        raise ValueError("block_size is required for a proposer that is not a Drafter")
-    return limit
+    if verify == "auto":
+        return None
+    check_block_size(verify, limit)
+    return verify
+
+
+def proposer_tag(proposer: Proposer) -> str:
+    """What a proposer's round cost depends on (its shapes, not its weights' values)."""
+    if isinstance(proposer, DrafterProposer):
+        return f"{proposer.drafter.config!r}|{proposer.drafter.params.fc.dtype}"
+    return type(proposer).__name__
+
+
+def measure_verify_costs(
+    run_prefill, run_loop, lengths: tuple[int, ...], rounds: int = 8, repeats: int = 3
+) -> dict[int, float]:
+    """Seconds per round at each verify length: the real loop pinned to each length for ``rounds`` rounds,
+    median of ``repeats`` after one warm-up, the lengths interleaved so that a busy machine slows them
+    alike. ``run_prefill()`` returns fresh loop inputs; ``run_loop(inputs, policy, max_rounds)`` runs the
+    loop and returns its ``LoopOutput``."""
+    policies = {t: adaptive.make_policy(lengths, dict.fromkeys(lengths, 1.0), [t]) for t in lengths}
+    seconds: dict[int, list[float]] = {t: [] for t in lengths}
+    iterations: dict[int, list[int]] = {t: [] for t in lengths}
+    for attempt in range(repeats + 1):
+        for length in lengths:
+            inputs = jax.block_until_ready(run_prefill())
+            start = time.perf_counter()
+            out = jax.block_until_ready(run_loop(inputs, policies[length], jnp.int32(rounds)))
+            if attempt:  # the first pass warms caches up
+                seconds[length].append(time.perf_counter() - start)
+                iterations[length].append(int(out.iterations))
+    return {t: adaptive.median_seconds_per_round(seconds[t], iterations[t]) for t in lengths}
 
 
 def speculative_generate(
@@ -537,15 +646,22 @@ def speculative_generate(
     top_k: int = 0,
     seed: int = 0,
     stop_ids: Sequence[int] | None = None,
+    verify: int | str = "auto",
     block_size: int | None = None,
     sps_table: Mapping[str, Any] | str | os.PathLike | None = None,
+    verify_costs: Mapping[int, float] | None = None,
+    verify_schedule: Sequence[int] | None = None,
 ) -> SpeculativeResult:
     """Decode up to ``max_new_tokens`` per row speculatively; same conventions as ``generate``.
 
-    ``drafter``: a ``Drafter`` or any ``Proposer``. ``block_size``: tokens per verify step (anchor +
-    proposals, ≤ the drafter's block); default from ``sps_table`` (dict or JSON path from
-    ``python -m dspine_jax.tune``) by batch size, else the drafter's block size. ``stop_ids=None`` uses
-    the model's EOS ids, ``[]`` none. Greedy (temperature 0) output equals ``generate``'s.
+    ``drafter``: a ``Drafter`` or any ``Proposer``. ``verify``: tokens per verify step (anchor +
+    proposals, ≤ the drafter's block), or ``"auto"`` (default): every round picks its length among
+    ``adaptive.candidate_lengths`` (1 = a plain decode step) from the rows' acceptance so far and the
+    device's cost per length (``verify_costs {T: seconds}``, else measured once and cached on disk, see
+    ``adaptive``); ``verify_schedule`` pins the lengths round by round (cyclic, tests). ``block_size`` is
+    the older name of a fixed ``verify``; ``sps_table`` (dict or JSON path from ``python -m
+    dspine_jax.tune``) fixes it by batch size. ``stop_ids=None`` uses the model's EOS ids, ``[]`` none.
+    Greedy (temperature 0) output equals ``generate``'s whatever the lengths.
     """
     rows, capacity, tokens, lengths, stops = plan_request(
         target, prompt_ids, max_new_tokens, temperature, top_p, top_k, stop_ids
@@ -553,33 +669,66 @@ def speculative_generate(
     proposer = as_proposer(drafter)
     if isinstance(proposer, DrafterProposer):
         check_compatible(proposer.drafter.config, target)
-    verify_len = resolve_verify_length(proposer, len(rows), block_size, sps_table)
+    fixed = resolve_verify(proposer, len(rows), verify, block_size, sps_table)
+    candidates = (fixed,) if fixed is not None else adaptive.candidate_lengths(proposer_block(proposer))
+    t_max = max(candidates)
     stops += [-1] * (round_up(max(len(stops), 1), STOP_BUCKET) - len(stops))
     greedy = temperature == 0
     key_prefill, key_loop = jax.random.split(jax.random.key(seed))
     temp, top_p_arr = jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p)
+    out_width = round_up(max_new_tokens, TOKEN_BUCKET)
+    calibration = 0.0
 
+    prefill_args = (target, proposer, tokens, lengths, key_prefill, temp, top_p_arr)
+    prefill_kwargs = dict(capacity=capacity + t_max, top_k=top_k, greedy=greedy)
+
+    def loop_args(inputs, policy, max_rounds, stop_array):
+        return (target, proposer, *inputs, key_loop, temp, top_p_arr, stop_array, jnp.int32(max_new_tokens), policy,
+                max_rounds)  # fmt: skip
+
+    loop_kwargs = dict(out_width=out_width, top_k=jnp.int32(top_k), greedy=greedy)
     clock = CompileTimer()  # compilation timed apart from prefill and decode (see generate)
-    (cache, state, first), prefill_seconds = clock.run(
-        prefill, target, proposer, tokens, lengths, key_prefill, temp, top_p_arr,
-        capacity=capacity + verify_len, top_k=top_k, greedy=greedy,
-    )
-    loop_out, decode_seconds = clock.run(
-        speculative_loop, target, proposer, cache, state, first, key_loop, temp, top_p_arr,
-        jnp.asarray(stops, jnp.int32), jnp.int32(max_new_tokens), out_width=round_up(max_new_tokens, TOKEN_BUCKET),
-        verify_len=verify_len, top_k=jnp.int32(top_k), greedy=greedy,
-    )
-    out, counts, stopped, kept, accepted, rounds, iterations = jax.device_get(loop_out[:7])
+    inputs, prefill_seconds = clock.run(prefill, *prefill_args, **prefill_kwargs)
+    stop_array, no_limit = jnp.asarray(stops, jnp.int32), jnp.int32(jnp.iinfo(jnp.int32).max)
+    if fixed is not None:
+        policy = adaptive.fixed_policy(fixed)
+        if verify_schedule is not None:
+            raise ValueError("verify_schedule pins the lengths of verify='auto'; a fixed verify has one length")
+    else:
+        # One compiled loop serves every length and schedule (costs and schedule are traced).
+        unit = adaptive.make_policy(candidates, dict.fromkeys(candidates, 1.0))
+        clock.compile(speculative_loop, *loop_args(inputs, unit, no_limit, stop_array), **loop_kwargs)
+        costs = verify_costs
+        if costs is None:
+            costs_key = adaptive.costs_key(target, proposer_tag(proposer), len(rows), candidates)
+            costs = adaptive.load_costs(costs_key)
+            if costs is None:
+                _log.info("measuring verify costs for lengths %s (once per device, model, drafter and batch "
+                          "size; cached in %s)", list(candidates), adaptive.COSTS_FILE)
+                start = time.perf_counter()
+                no_stops = jnp.full_like(stop_array, -1)  # every row runs the pinned rounds
+                costs = measure_verify_costs(
+                    lambda: prefill(*prefill_args, **prefill_kwargs),
+                    lambda fresh, pinned, rounds: speculative_loop(*loop_args(fresh, pinned, rounds, no_stops), **loop_kwargs),
+                    candidates,
+                )  # fmt: skip
+                calibration = time.perf_counter() - start
+                adaptive.store_costs(costs_key, costs)
+        policy = adaptive.make_policy(candidates, costs, verify_schedule)
+    loop_out, decode_seconds = clock.run(speculative_loop, *loop_args(inputs, policy, no_limit, stop_array), **loop_kwargs)
+    got = jax.device_get(loop_out.replace(cache=None, proposer_state=None))
 
     n = len(rows)
     return SpeculativeResult(
-        token_ids=[out[i, : counts[i]].tolist() for i in range(n)],
-        finish_reasons=finish_reasons(counts, stopped, max_new_tokens),
+        token_ids=[got.tokens[i, : got.counts[i]].tolist() for i in range(n)],
+        finish_reasons=finish_reasons(got.counts, got.stopped, max_new_tokens),
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
         compile_seconds=clock.seconds,
-        acceptance_lengths=[kept[i, : rounds[i]].tolist() for i in range(n)],
-        accepted_proposals=[accepted[i, : rounds[i]].tolist() for i in range(n)],
-        verify_length=verify_len,
-        num_iterations=int(iterations),
+        acceptance_lengths=[got.kept[i, : got.rounds[i]].tolist() for i in range(n)],
+        accepted_proposals=[got.accepted[i, : got.rounds[i]].tolist() for i in range(n)],
+        verify_length=t_max,
+        num_iterations=int(got.iterations),
+        verify_lengths=[got.lengths[i, : got.rounds[i]].tolist() for i in range(n)],
+        calibration_seconds=calibration,
     )

@@ -25,7 +25,7 @@ import jax
 import uvicorn
 
 from dspine_jax.decoding.planning import enable_compilation_cache
-from dspine_jax.decoding.speculative import load_sps_table
+from dspine_jax.decoding.speculative import check_block_size, load_sps_table, parse_verify
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models import target as tgt
 from dspine_jax.models import tokenizer as tokenizer_io
@@ -67,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None,
                    help="tokens per request, prompt + completion (default: min(model positions, 2048))")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and caches")
+    p.add_argument("--verify", default="auto",
+                   help="tokens per verify round (anchor + proposals): 'auto' (default: chosen every round from the "
+                        "slots' acceptance and the measured cost per length; 1 = a plain decode step) or a fixed N")
     p.add_argument("--block-size", type=int, default=None,
-                   help="verify length (anchor + proposals) (default: the drafter's block)")
+                   help="a fixed verify length (the older name of --verify N)")
     p.add_argument("--sps-table", default=None,
                    help="verify length per running-batch size, from python -m dspine_jax.tune (default: none)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: heads and MLP split over this many devices")
@@ -116,12 +119,17 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
         if mesh is not None:
             log(f"mesh: data={args.dp} x model={args.tp} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
         core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
-                          verify_len=args.block_size, sps_table=sps, mesh=mesh,
+                          verify_len=args.block_size, sps_table=sps, mesh=mesh, verify=args.verify,
                           max_prompt_bucket=args.warmup_prompt_buckets, max_rounds=args.rounds_per_step,
                           prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     except ValueError as e:
         raise StartupError(str(e)) from None
-    mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}" if drafter else "autoregressive"
+    if drafter is None:
+        mode = "autoregressive"
+    elif core.candidates:
+        mode = f"speculative, verify auto over lengths {list(core.candidates)}"
+    else:
+        mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}"
     log(f"engine: {args.max_running_requests} slots × {context} tokens, {mode}; compiling")
     core.warmup(progress=log)
     log(f"ready after {time.perf_counter() - t0:.1f}s of loading and compiling")
@@ -138,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --rounds-per-step must be >= 1")
     if args.warmup_prompt_buckets < 1:
         sys.exit("error: --warmup-prompt-buckets must be >= 1")
+    try:
+        verify = parse_verify(args.verify)
+        if verify != "auto":
+            check_block_size(verify, None)
+    except ValueError as e:
+        sys.exit(f"error: --verify: {e}")
 
     def log(msg: str) -> None:
         print(f"[dspine_jax.serve] {msg}", file=sys.stderr, flush=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +44,8 @@ import numpy as np
 from jax import Array
 from jax.sharding import Mesh
 
+from dspine_jax.decoding import adaptive
+from dspine_jax.decoding.adaptive import VerifyPolicy
 from dspine_jax.decoding.sampling import Sampling
 from dspine_jax.decoding.speculative import (
     DrafterProposer,
@@ -50,7 +53,9 @@ from dspine_jax.decoding.speculative import (
     Proposer,
     RoundState,
     accept_sampling,
-    speculative_round,
+    parse_verify,
+    policy_round,
+    proposer_tag,
 )
 from dspine_jax.drafters.drafter import Drafter
 from dspine_jax.models import target as tgt
@@ -58,8 +63,22 @@ from dspine_jax.parallel.mesh import DATA, use_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
 from dspine_jax.serve.prefix_cache import PrefixCache, PrefixStats
 
+COST_SAMPLES = 3  # measured steps per verify length (after one dropped) before a row bucket's costs are set
 MIN_PROMPT_BUCKET = 32
 MIN_CAPACITY_BUCKET = 128  # cache capacities the engine moves between: 128, 256, … and the whole context
+
+
+def _set_row(array: np.ndarray, row: int, value: np.ndarray) -> np.ndarray:
+    array = np.array(array)
+    array[row] = value
+    return array
+
+
+def _set_rows(array: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """``array`` with its first ``len(first)`` rows replaced (the step covered a row bucket)."""
+    array = np.array(array)
+    array[: len(first)] = first
+    return array
 
 
 def prompt_widths(context_length: int, max_prompt_bucket: int) -> list[int]:
@@ -171,24 +190,26 @@ def refit(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int, c
     return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), (cache, pstate), extra)
 
 
-@functools.partial(jax.jit, static_argnames=("verify_len", "max_rounds"), donate_argnames=("cache", "pstate"))
+@functools.partial(jax.jit, static_argnames=("max_rounds",), donate_argnames=("cache", "pstate"))
 def step(
     target: tgt.Target, proposer: Proposer, cache, pstate, anchor: Array, running: Array, remaining: Array,
     key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, num_rounds: Array,
-    *, verify_len: int, max_rounds: int,
+    policy: VerifyPolicy, stats: adaptive.PolicyState, *, max_rounds: int,
 ):
-    """One engine step: up to ``num_rounds`` (≤ ``max_rounds``, traced) rounds of ``speculative_round`` —
-    the round ``speculative_generate`` runs — over the caches' ``R`` rows (the current row bucket), in one
-    device loop that ends early once no row runs. Several rounds per dispatch keep the host's per-step
-    work (dispatch, read-back, streaming) off the critical path; the host asks for one round when
-    requests are waiting to be admitted. The caches are donated and updated in place.
+    """One engine step: up to ``num_rounds`` (≤ ``max_rounds``, traced) rounds of ``policy_round`` — the
+    round ``speculative_generate`` runs, at the verify length ``policy`` picks (a fixed policy: always the
+    same one) — over the caches' ``R`` rows (the current row bucket), in one device loop that ends early
+    once no row runs. Several rounds per dispatch keep the host's per-step work (dispatch, read-back,
+    streaming) off the critical path; the host asks for one round when requests are waiting to be
+    admitted. The caches are donated and updated in place.
 
     ``anchor [R]`` last emitted token per slot; ``running [R]`` bool; ``remaining [R]`` tokens the slot may
     still emit (≥ 1 for running slots); ``key_data [R, 2]``; per-slot sampling parameters ``[R]``
-    (temperature 0 = greedy). Returns the caches, then per round ``[max_rounds, R, …]``: emitted ``[.., T]``,
-    ``n_keep`` (tokens of emitted to append, 0 for rows that do not run), ``accepted`` (proposals
-    verification accepted) and ``hit_stop`` (the kept tokens end on a stop id); the rounds run and the
-    next key data.
+    (temperature 0 = greedy); ``stats``: the slots' acceptance statistics ``[R, …]``. Returns the caches,
+    then per round ``[max_rounds, R, …]``: emitted ``[.., T_max]``, ``n_keep`` (tokens of emitted to append,
+    0 for rows that do not run), ``accepted`` (proposals verification accepted) and ``hit_stop`` (the kept
+    tokens end on a stop id); the verify length per round ``[max_rounds]``, the rounds run, the next key
+    data and the updated statistics.
     """
     state = RoundState(
         cache=cache, proposer_state=pstate, anchor=anchor, running=running, remaining=remaining,
@@ -197,27 +218,31 @@ def step(
     sampling = Sampling(temperature, top_p, top_k)
     rows = anchor.shape[0]
     history = dict(
-        emitted=jnp.zeros((max_rounds, rows, verify_len), jnp.int32), n_keep=jnp.zeros((max_rounds, rows), jnp.int32),
-        accepted=jnp.zeros((max_rounds, rows), jnp.int32), hit_stop=jnp.zeros((max_rounds, rows), bool),
+        emitted=jnp.zeros((max_rounds, rows, policy.max_length), jnp.int32),
+        n_keep=jnp.zeros((max_rounds, rows), jnp.int32), accepted=jnp.zeros((max_rounds, rows), jnp.int32),
+        hit_stop=jnp.zeros((max_rounds, rows), bool),
     )
+    lengths = jnp.zeros((max_rounds,), jnp.int32)
 
     def cond(carry):
-        done, state, _ = carry
+        done, state, *_ = carry
         return (done < num_rounds) & jnp.any(state.running)
 
     def body(carry):
-        done, state, history = carry
+        done, state, stats, history, lengths = carry
         # ``counts`` only matters to reference-indexing proposers (tests), which the engine does not run.
-        state, out = speculative_round(
-            target, proposer, state, sampling, stop_ids, jnp.zeros_like(remaining), verify_len=verify_len,
+        state, stats, out, length = policy_round(
+            target, proposer, policy, state, stats, sampling, stop_ids, jnp.zeros_like(remaining), done,
             all_greedy=False,
         )
         history = {name: history[name].at[done].set(getattr(out, name)) for name in history}
-        return done + 1, state, history
+        return done + 1, state, stats, history, lengths.at[done].set(length)
 
-    done, state, history = jax.lax.while_loop(cond, body, (jnp.int32(0), state, history))
+    done, state, stats, history, lengths = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), state, stats, history, lengths)
+    )
     return (state.cache, state.proposer_state, history["emitted"], history["n_keep"], history["accepted"],
-            history["hit_stop"], done, jax.random.key_data(state.keys))
+            history["hit_stop"], lengths, done, jax.random.key_data(state.keys), stats)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
@@ -247,6 +272,7 @@ class StepResult:
     finished: dict[int, str]  # slot → "stop" (stop id) or "length" (budget)
     accepted: list[int]  # per running slot: tokens committed this step (the acceptance length, bonus incl.)
     num_running: int
+    verify_lengths: list[int] = dataclasses.field(default_factory=list)  # per round of the step (1: no drafting)
 
 
 class EngineCore:
@@ -257,6 +283,7 @@ class EngineCore:
         verify_len: int | None = None, sps_table: dict[int, int] | None = None, stop_ids: Sequence[int] | None = None,
         bucket_rows: bool = True, mesh: Mesh | None = None, max_prompt_bucket: int = 256,
         proposer: Proposer | None = None, max_rounds: int = 4, prefix_cache_bytes: int = 0,
+        verify: int | str = "auto", verify_costs: dict[int, dict[int, float]] | None = None,
     ):
         """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/parallel/mesh.py); the
         target and drafter are laid out on it here, and slots are split over ``data``.
@@ -264,7 +291,11 @@ class EngineCore:
         ``proposer``: drafts in place of ``drafter`` (tests and ceilings plug in an oracle; the verify
         lengths still come from ``drafter``'s block). ``max_rounds``: rounds per engine step (see ``step``).
         ``prefix_cache_bytes``: memory for finished rows that later prompts may start from (0: off;
-        ``prefix_cache.py``)."""
+        ``prefix_cache.py``). ``verify``: ``"auto"`` (default; ``decoding/adaptive.py``: each round's length
+        chosen from the slots' acceptance and the cost per length, measured online on the first steps of
+        each row bucket and cached on disk) or a fixed length; ``verify_len`` (a fixed length) and
+        ``sps_table`` (lengths by batch size) take precedence. ``verify_costs {rows: {T: seconds}}``
+        replaces the measurement (tests)."""
         config = target.config
         dp = mesh.shape[DATA] if mesh is not None else 1
         if num_slots % dp:
@@ -282,15 +313,23 @@ class EngineCore:
             proposer = NoProposer() if drafter is None else DrafterProposer(drafter)
         self.proposer = proposer
         self.num_slots, self.context_length = num_slots, context_length
+        verify = parse_verify(verify)
+        self.candidates: tuple[int, ...] = ()  # adaptive verification's lengths (empty: fixed lengths)
         if drafter is None:
             self.verify_lengths = {1: 1}
         else:
             block = drafter.config.block_size
             if sps_table:
                 self.verify_lengths = {b: max(2, min(v, block)) for b, v in sps_table.items()}
+            elif verify_len is not None or verify != "auto":
+                self.verify_lengths = {1: max(2, min(verify_len or verify, block))}
             else:
-                self.verify_lengths = {1: max(2, min(verify_len or block, block))}
+                self.candidates = adaptive.candidate_lengths(block)
+                self.verify_lengths = {1: max(self.candidates)}
         self.max_verify = max(self.verify_lengths.values())
+        self.stats = jax.device_get(adaptive.init_state(num_slots, self.max_verify))  # per slot, host copy
+        self.costs: dict[int, dict[int, float]] = dict(verify_costs or {})  # row bucket → {T: seconds}
+        self._cost_samples: dict[int, dict[int, list[float]]] = {}  # row bucket → T → seconds per round
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
         self.max_rounds = max_rounds
@@ -436,6 +475,8 @@ class EngineCore:
         self.temperature[slot] = params.temperature
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
+        fresh = adaptive.init_state(1, self.max_verify)
+        self.stats = jax.tree.map(lambda a, f: _set_row(a, slot, f[0]), self.stats, jax.device_get(fresh))
         reason = "stop" if first in self.stop_set else "length" if max_new_tokens <= 1 else None
         self.running[slot] = reason is None
         return first, reason
@@ -484,18 +525,23 @@ class EngineCore:
         n = int(active.sum())
         if n == 0:
             return StepResult({}, {}, [], 0)
-        t = self.verify_len_for(n)
         self._fit(self._highest_occupied(), self._needed_positions())  # grows as rows advance, shrinks after releases
         r = self.rows
+        policy, calibrating = self.policy_for(n, r)
         rounds = self.max_rounds if rounds is None else max(1, min(rounds, self.max_rounds))
+        start = time.perf_counter()
         with use_mesh(self.mesh):
-            self.cache, self.pstate, emitted, n_keep, _, hit_stop, done, key_next = step(
+            self.cache, self.pstate, emitted, n_keep, _, hit_stop, lengths, done, key_next, stats = step(
                 self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
                 jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
                 jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, jnp.int32(rounds),
-                verify_len=t, max_rounds=self.max_rounds,
+                policy, jax.tree.map(lambda a: a[:r], self.stats), max_rounds=self.max_rounds,
             )
-        emitted, n_keep, hit_stop, done, key_next = jax.device_get((emitted, n_keep, hit_stop, done, key_next))
+        emitted, n_keep, hit_stop, lengths, done, key_next, stats = jax.device_get(
+            (emitted, n_keep, hit_stop, lengths, done, key_next, stats))
+        if calibrating is not None and int(done):
+            self._record_cost(r, calibrating, (time.perf_counter() - start) / int(done))
+        self.stats = jax.tree.map(lambda a, b: _set_rows(a, b), self.stats, stats)
         self.key_data[:r] = np.asarray(key_next, np.uint32)
         tokens, finished, accepted = {int(i): [] for i in np.flatnonzero(active)}, {}, []
         for j in range(int(done)):  # replay the rounds on the host mirror, in order
@@ -517,7 +563,39 @@ class EngineCore:
                     finished[i] = "length"
                 if i in finished:
                     self.running[i] = False
-        return StepResult(tokens, finished, accepted, n)
+        return StepResult(tokens, finished, accepted, n, [int(x) for x in lengths[: int(done)]])
+
+    # -- adaptive verification
+    def policy_for(self, batch: int, rows: int) -> tuple[VerifyPolicy, int | None]:
+        """The step's verify policy and, while the row bucket's costs are being measured, the length it is
+        pinned to (the one with the fewest samples; every length is exact, so live steps can measure)."""
+        if not self.candidates:
+            return adaptive.fixed_policy(self.verify_len_for(batch)), None
+        costs = self.costs.get(rows)
+        if costs is None and not self._warming:
+            costs = adaptive.load_costs(self._costs_key(rows))
+            if costs is not None:
+                self.costs[rows] = costs
+        if costs is not None:
+            return adaptive.make_policy(self.candidates, costs), None
+        samples = self._cost_samples.setdefault(rows, {t: [] for t in self.candidates})
+        length = min(self.candidates, key=lambda t: len(samples[t]))
+        return adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0), [length]), length
+
+    def _costs_key(self, rows: int) -> str:
+        return adaptive.costs_key(self.target, f"engine|{proposer_tag(self.proposer)}", rows, self.candidates)
+
+    def _record_cost(self, rows: int, length: int, seconds_per_round: float) -> None:
+        """One measured step (the first at each length is dropped: it may include compilation); once every
+        length has ``COST_SAMPLES``, the medians become the row bucket's costs, also stored on disk."""
+        if self._warming:
+            return
+        samples = self._cost_samples[rows]
+        samples[length].append(seconds_per_round)
+        if all(len(v) > COST_SAMPLES for v in samples.values()):
+            costs = {t: float(np.median(v[1:])) for t, v in samples.items()}
+            self.costs[rows] = costs
+            adaptive.store_costs(self._costs_key(rows), costs)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile every prefill width and step variant (verify lengths × row buckets) at every capacity

@@ -51,17 +51,20 @@ class Metrics:
         """Acceptance-length buckets 1 … ``max_acceptance`` (the server learns it once the engine is built)."""
         with self.lock:
             self.acceptance = Histogram(range(1, max(max_acceptance, 1) + 1))
+            self.verify_length = Histogram(range(1, max(max_acceptance, 1) + 1))
 
     def request(self, endpoint: str, status: str) -> None:
         with self.lock:
             self.requests[(endpoint, status)] += 1
 
-    def record_step(self, accepted: list[int], seconds: float) -> None:
+    def record_step(self, accepted: list[int], seconds: float, verify_lengths: list[int] = ()) -> None:
         now = time.monotonic()
         with self.lock:
             self.steps += 1
             for a in accepted:
                 self.acceptance.observe(a)
+            for t in verify_lengths:
+                self.verify_length.observe(t)
             self._window.append((now, sum(accepted), seconds))
             while self._window and self._window[0][0] < now - self.WINDOW_S:
                 self._window.popleft()
@@ -102,6 +105,8 @@ class Metrics:
                    [f"dspine_engine_steps_total {self.steps}"])
             hist("dspine_acceptance_length", "Tokens committed per request per verify step (bonus included).",
                  self.acceptance)
+            hist("dspine_verify_length", "Tokens verified per round (1: a plain decode step; chosen per round with "
+                 "--verify auto).", self.verify_length)
             hist("dspine_request_latency_seconds", "End-to-end request latency.", self.latency)
             hist("dspine_time_to_first_token_seconds", "Time from arrival to the first token.", self.ttft)
             metric("dspine_decode_tokens_per_second", "gauge",

@@ -257,7 +257,7 @@ class AsyncEngine:
             return
         start = time.perf_counter()
         result = core.step()  # up to ``max_rounds`` rounds; a request arriving meanwhile waits that long
-        self.metrics.record_step(result.accepted, time.perf_counter() - start)
+        self.metrics.record_step(result.accepted, time.perf_counter() - start, result.verify_lengths)
         for slot, tokens in result.tokens.items():
             req = self.active.get(slot)
             if req is None:

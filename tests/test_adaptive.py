@@ -1,0 +1,131 @@
+"""Adaptive verification (``decoding/adaptive.py``): the policy's arithmetic by hand, its choices against
+an oracle proposer with a chosen acceptance (T = 1 when nothing is accepted, the longest block when
+everything is, following a change mid-request), and the cost model measured once and cached on disk.
+Exactness whatever the lengths is tested in test_speculative.py (greedy, dense and hybrid) and
+test_speculative_sampling.py (lossless sampling with the length changing every round)."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspine_jax.decoding import adaptive
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.speculative import OracleProposer, speculative_generate
+from dspine_jax.drafters.io import init_drafter
+from dspine_jax.models.target import load_target
+
+COSTS = {1: 1.0, 2: 1.15, 4: 1.3, 8: 1.6, 16: 2.2}  # a device where drafting and long verifies cost something
+PROMPT = [5, 17, 33, 9, 60, 11]
+
+
+def test_candidate_lengths_are_capped_by_the_block():
+    assert adaptive.candidate_lengths(None) == (1, 2, 4, 8, 16)
+    assert adaptive.candidate_lengths(8) == (1, 2, 4, 8)
+    assert adaptive.candidate_lengths(6) == (1, 2, 4, 6)  # the block itself when it is not a power of two
+
+
+def test_expected_tokens_by_hand():
+    """Row 0: slot 1 accepted 3 of 4 tries, slot 2 1 of 2, slot 3 untested (prior = slot 2's estimate)."""
+    state = adaptive.init_state(2, 4)
+    state = state.replace(hits=state.hits.at[0].set(jnp.array([3.0, 1.0, 0.0])),
+                          tries=state.tries.at[0].set(jnp.array([4.0, 2.0, 0.0])))  # fmt: skip
+    a1 = (3 + 0.5) / (4 + 1)
+    a2 = (1 + a1) / (2 + 1)
+    a3 = a2  # (0 + a2) / (0 + 1)
+    np.testing.assert_allclose(np.asarray(adaptive.acceptance(state))[0], [a1, a2, a3], rtol=1e-6)
+    got = np.asarray(adaptive.expected_tokens(state, (1, 2, 4), jnp.array([100, 2])))
+    np.testing.assert_allclose(got[0], [1, 1 + a1, 1 + a1 + a1 * a2 + a1 * a2 * a3], rtol=1e-6)
+    # Row 1 has seen nothing (0.5 everywhere) and may emit only 2 more tokens: T = 4 counts as T = 2.
+    np.testing.assert_allclose(got[1], [1, 1.5, 1.5], rtol=1e-6)
+
+
+def test_update_counts_only_the_slots_verification_reached():
+    state = adaptive.init_state(3, 5)
+    # T = 5 (4 proposals): row 0 accepted 2 (slots 1-2 hit, slot 3 tried and missed, slot 4 not reached),
+    # row 1 accepted all 4, row 2 is not running.
+    new = adaptive.update(state, jnp.int32(5), jnp.array([2, 4, 4]), jnp.array([True, True, False]))
+    np.testing.assert_array_equal(np.asarray(new.tries), [[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(new.hits), [[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    # A plain round (T = 1) tests nothing and counts as idle; a drafted round with nothing accepted doubles
+    # the wait before the next probe, one with an accepted token resets it.
+    idle = adaptive.update(new, jnp.int32(1), jnp.array([0, 0, 0]), jnp.array([True, True, False]))
+    np.testing.assert_array_equal(np.asarray(idle.tries), np.asarray(new.tries))
+    np.testing.assert_array_equal(np.asarray(idle.idle), [1, 1, 0])
+    probe = adaptive.update(idle, jnp.int32(4), jnp.array([0, 1, 0]), jnp.array([True, True, False]))
+    np.testing.assert_array_equal(np.asarray(probe.idle), [0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(probe.wait), [2 * adaptive.FIRST_WAIT, adaptive.FIRST_WAIT, adaptive.FIRST_WAIT])
+
+
+def test_choose_probes_after_the_wait_and_pins_override():
+    policy = adaptive.make_policy((1, 2, 4, 8), {1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0})  # drafting never pays here
+    state = adaptive.init_state(1, 8)
+    running, remaining = jnp.array([True]), jnp.array([50])
+    assert int(adaptive.choose(policy, state, running, remaining, jnp.int32(0))) == 0  # T = 1
+    due = state.replace(idle=jnp.array([adaptive.FIRST_WAIT]))
+    assert policy.lengths[int(adaptive.choose(policy, due, running, remaining, jnp.int32(0)))] == adaptive.PROBE_LENGTH
+    pinned = adaptive.make_policy((1, 2, 4, 8), COSTS, schedule=[8, 2])
+    assert [pinned.lengths[int(adaptive.choose(pinned, state, running, remaining, jnp.int32(r)))] for r in range(4)] == [8, 2, 8, 2]
+    with pytest.raises(ValueError, match="not a candidate"):
+        adaptive.make_policy((1, 2, 4), COSTS, schedule=[3])
+    with pytest.raises(ValueError, match="missing"):
+        adaptive.make_policy((1, 2, 32), COSTS)
+    with pytest.raises(ValueError, match="positive"):
+        adaptive.make_policy((1, 2), {1: 1.0, 2: 0.0})
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    target = load_target(tiny_models["llama"][0])
+    reference = generate(target, [PROMPT], 120, stop_ids=[]).token_ids[0]
+    return target, reference
+
+
+def run_oracle(target, reference, accept: list[int], max_new: int = 120):
+    """Greedy decoding with an oracle that proposes ``accept[r]`` correct tokens in round r, then a wrong one."""
+    ref = np.zeros((1, 160), np.int32)
+    ref[0, : len(reference)] = reference
+    proposer = OracleProposer(reference=jnp.asarray(ref), accept=jnp.asarray([accept], jnp.int32),
+                              vocab_size=target.config.vocab_size)  # fmt: skip
+    result = speculative_generate(target, proposer, [PROMPT], max_new, stop_ids=[], verify_costs=COSTS)
+    assert result.token_ids[0] == reference[:max_new]  # whatever the lengths, greedy output is the target's
+    return result.verify_lengths[0]
+
+
+def test_policy_tracks_the_acceptance(llama):
+    target, reference = llama
+    # Nothing is ever accepted: after a few rounds only probes draft, and they thin out (waits double).
+    lengths = run_oracle(target, reference, [0] * 64)
+    tail = lengths[16:]
+    assert sum(t > 1 for t in tail) <= 3 and sum(t == 1 for t in tail) >= len(tail) - 3
+    # Everything is accepted: the longest block (16) from the third round on, except where the budget ends.
+    lengths = run_oracle(target, reference, [99] * 64)
+    assert all(t == 16 for t in lengths[2:-1]), lengths
+    # Acceptance collapses after 5 rounds: the policy steps down to plain decoding within ~10 rounds (the
+    # estimates follow the last ~5 drafted rounds).
+    lengths = run_oracle(target, reference, [99] * 5 + [0] * 59)
+    assert lengths[2] == 16 and all(t == 1 for t in lengths[16:24]), lengths
+    # Acceptance appears after 12 rounds: a probe finds it and the policy climbs back to 16.
+    lengths = run_oracle(target, reference, [0] * 12 + [99] * 52)
+    assert all(t == 1 for t in lengths[6:10]), lengths
+    climbed = [r for r in range(12, len(lengths) - 3) if lengths[r : r + 3] == [16, 16, 16]]
+    assert climbed and climbed[0] <= 12 + adaptive.FIRST_WAIT * 8, lengths
+
+
+def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path))
+    target, reference = llama
+    drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=4, seed=3)
+    first = speculative_generate(target, drafter, [PROMPT], 24, stop_ids=[])
+    assert first.calibration_seconds > 0 and first.token_ids[0] == reference[:24]
+    table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
+    (key, costs), = table.items()
+    assert key.endswith("|b1|T1,2,4") and set(costs) == {"1", "2", "4"} and all(v > 0 for v in costs.values())
+    second = speculative_generate(target, drafter, [PROMPT, PROMPT[:3]], 24, stop_ids=[])
+    assert second.calibration_seconds > 0  # batch 2: another bucket
+    third = speculative_generate(target, drafter, [PROMPT[::-1]], 30, stop_ids=[])
+    assert third.calibration_seconds == 0.0  # batch 1 again: read from disk
+    assert len(json.loads((tmp_path / adaptive.COSTS_FILE).read_text())) == 2
