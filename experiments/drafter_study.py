@@ -93,7 +93,7 @@ def evaluate(target, drafter_dir: Path, held: dict, prompts: int, max_new_tokens
             batch.append(r["prompt_ids"])
             row_domain.append(domain)
     ar = generate(target, batch, max_new_tokens)
-    res = speculative_generate(target, drafter, batch, max_new_tokens)
+    res = speculative_generate(target, drafter, batch, max_new_tokens, verify=drafter.config.block_size)
     tau = {}
     for d in [*DOMAINS, "all"]:
         rows = [i for i, rd in enumerate(row_domain) if d in ("all", rd)]

@@ -98,7 +98,8 @@ def stage_tau(args: argparse.Namespace, out: Path) -> dict:
         per = {}
         for domain in DOMAINS:
             prompts = [r["prompt_ids"] for r in held[domain][: args.eval_prompts]]
-            res = speculative_generate(target, drafter, prompts, args.eval_tokens, temperature=temperature, seed=0)
+            res = speculative_generate(target, drafter, prompts, args.eval_tokens, temperature=temperature, seed=0,
+                                       verify=drafter.config.block_size)  # τ of the whole block
             per[domain] = round(res.mean_acceptance, 4)
         result["greedy" if temperature == 0 else "T=1"] = per
     (out / "tau.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -14,7 +14,7 @@ import pytest
 
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.speculative import OracleProposer, speculative_generate
+from dspine_jax.decoding.speculative import DECIDE_EVERY, OracleProposer, speculative_generate
 from dspine_jax.drafters.io import init_drafter
 from dspine_jax.models.target import load_target
 
@@ -64,11 +64,14 @@ def test_choose_probes_after_the_wait_and_pins_override():
     policy = adaptive.make_policy((1, 2, 4, 8), {1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0})  # drafting never pays here
     state = adaptive.init_state(1, 8)
     running, remaining = jnp.array([True]), jnp.array([50])
-    assert int(adaptive.choose(policy, state, running, remaining, jnp.int32(0))) == 0  # T = 1
+    index, probe = adaptive.choose(policy, state, running, remaining, jnp.int32(0))
+    assert (int(index), bool(probe)) == (0, False)  # T = 1
     due = state.replace(idle=jnp.array([adaptive.FIRST_WAIT]))
-    assert policy.lengths[int(adaptive.choose(policy, due, running, remaining, jnp.int32(0)))] == adaptive.PROBE_LENGTH
+    index, probe = adaptive.choose(policy, due, running, remaining, jnp.int32(0))
+    assert (policy.lengths[int(index)], bool(probe)) == (adaptive.PROBE_LENGTH, True)
     pinned = adaptive.make_policy((1, 2, 4, 8), COSTS, schedule=[8, 2])
-    assert [pinned.lengths[int(adaptive.choose(pinned, state, running, remaining, jnp.int32(r)))] for r in range(4)] == [8, 2, 8, 2]
+    chosen = [adaptive.choose(pinned, due, running, remaining, jnp.int32(r)) for r in range(4)]
+    assert [(pinned.lengths[int(i)], bool(p)) for i, p in chosen] == [(8, False), (2, False)] * 2
     with pytest.raises(ValueError, match="not a candidate"):
         adaptive.make_policy((1, 2, 4), COSTS, schedule=[3])
     with pytest.raises(ValueError, match="missing"):
@@ -101,16 +104,18 @@ def test_policy_tracks_the_acceptance(llama):
     lengths = run_oracle(target, reference, [0] * 64)
     tail = lengths[16:]
     assert sum(t > 1 for t in tail) <= 3 and sum(t == 1 for t in tail) >= len(tail) - 3
-    # Everything is accepted: the longest block (16) from the third round on, except where the budget ends.
+    # Everything is accepted: the longest block (16) from the second decision on (decisions come every
+    # DECIDE_EVERY rounds), except where the budget ends.
+    every = DECIDE_EVERY
     lengths = run_oracle(target, reference, [99] * 64)
-    assert all(t == 16 for t in lengths[2:-1]), lengths
-    # Acceptance collapses after 5 rounds: the policy steps down to plain decoding within ~10 rounds (the
-    # estimates follow the last ~5 drafted rounds).
+    assert all(t == 16 for t in lengths[every:-1]), lengths
+    # Acceptance collapses after 5 rounds: the policy steps down to plain decoding within ~12 rounds (the
+    # estimates follow the last ~5 drafted rounds, and decisions come every DECIDE_EVERY rounds).
     lengths = run_oracle(target, reference, [99] * 5 + [0] * 59)
-    assert lengths[2] == 16 and all(t == 1 for t in lengths[16:24]), lengths
+    assert lengths[every] == 16 and sum(t == 1 for t in lengths[5 + 12 : 5 + 28]) >= 12, lengths
     # Acceptance appears after 12 rounds: a probe finds it and the policy climbs back to 16.
     lengths = run_oracle(target, reference, [0] * 12 + [99] * 52)
-    assert all(t == 1 for t in lengths[6:10]), lengths
+    assert all(t == 1 for t in lengths[5:9]), lengths
     climbed = [r for r in range(12, len(lengths) - 3) if lengths[r : r + 3] == [16, 16, 16]]
     assert climbed and climbed[0] <= 12 + adaptive.FIRST_WAIT * 8, lengths
 

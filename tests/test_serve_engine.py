@@ -133,6 +133,17 @@ def test_speculative_engine_oracle_multi_token(llama):
     assert max(taus) == 5 and min(taus) >= 1 and len(set(taus)) >= 3
 
 
+def decode_one(core: EngineCore, prompt: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """One request in slot 0, one round per step: its tokens and the verify length of every round."""
+    first, _ = core.add(0, prompt, budget, SlotParams())
+    out, seen = [first], []
+    while core.running[0]:
+        result = core.step(rounds=1)
+        out += result.tokens.get(0, [])
+        seen += result.verify_lengths
+    return out, seen
+
+
 def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, monkeypatch):
     """``verify="auto"`` (the default): the first steps of a row bucket run pinned lengths and time them (exact
     all the same); the medians are stored on disk and later engines read them; with costs that make
@@ -144,12 +155,7 @@ def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, 
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
     core = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[])
     assert core.candidates == (1, 2, 4) and core.max_verify == 4
-    first, _ = core.add(0, PROMPTS[0], 60, SlotParams())
-    out, seen = [first], []
-    while core.running[0]:
-        result = core.step(rounds=1)
-        out += result.tokens.get(0, [])
-        seen += result.verify_lengths
+    out, seen = decode_one(core, PROMPTS[0], 60)
     assert out == ref
     assert set(seen) == {1, 2, 4}  # calibration pinned every length
     assert set(core.costs[1]) == {1, 2, 4} and all(v > 0 for v in core.costs[1].values())
@@ -161,12 +167,7 @@ def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, 
 
     pointless = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[],
                            verify_costs={1: {1: 1.0, 2: 5.0, 4: 9.0}})  # fmt: skip
-    first, _ = pointless.add(0, PROMPTS[0], 60, SlotParams())
-    out, seen = [first], []
-    while pointless.running[0]:
-        result = pointless.step(rounds=1)
-        out += result.tokens.get(0, [])
-        seen += result.verify_lengths
+    out, seen = decode_one(pointless, PROMPTS[0], 60)
     assert out == ref
     assert seen[0] == 1 and sum(t > 1 for t in seen) <= 3  # only probes draft
 

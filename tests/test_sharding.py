@@ -51,7 +51,7 @@ def models(tmp_path_factory):
         drafter = init_drafter(target, "dspine", num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8,
                                intermediate_size=128, target_layer_ids=(0, 1), seed=3)  # fmt: skip
         reference = generate(target, PROMPTS, MAX_NEW, stop_ids=[]).token_ids
-        single = spec.speculative_generate(target, drafter, PROMPTS, MAX_NEW, stop_ids=[])
+        single = spec.speculative_generate(target, drafter, PROMPTS, MAX_NEW, stop_ids=[], verify=drafter.config.block_size)
         assert single.token_ids == reference
         out[name] = (target, drafter, reference, single.acceptance_lengths)
     return out
@@ -64,7 +64,7 @@ def test_sharded_greedy_equals_single_device(models, family, tp, dp):
     mesh = make_mesh(tp=tp, dp=dp)
     sharded_target, sharded_drafter = shard_target(target, mesh), shard_drafter(drafter, mesh)
     with use_mesh(mesh):
-        result = spec.speculative_generate(sharded_target, sharded_drafter, PROMPTS, MAX_NEW, stop_ids=[])
+        result = spec.speculative_generate(sharded_target, sharded_drafter, PROMPTS, MAX_NEW, stop_ids=[], verify=sharded_drafter.config.block_size)
         if (tp, dp) == (4, 2):  # plain autoregressive decoding too, on the mixed mesh
             assert generate(sharded_target, PROMPTS, MAX_NEW, stop_ids=[]).token_ids == reference
     assert result.token_ids == reference
@@ -143,7 +143,7 @@ def test_pallas_kernels_inside_shard_map(models, monkeypatch):
 
         monkeypatch.setattr(module, fn_name, spy)
     with dispatch.force("interpret"), use_mesh(mesh):
-        result = spec.speculative_generate(st, sd, PROMPTS, MAX_NEW, stop_ids=[])
+        result = spec.speculative_generate(st, sd, PROMPTS, MAX_NEW, stop_ids=[], verify=sd.config.block_size)
     assert result.token_ids == reference
     assert result.acceptance_lengths == acceptance
     n, d = drafter.config.num_heads, drafter.config.head_dim
@@ -169,9 +169,9 @@ def test_uneven_heads_fall_back_to_replicated_attention(tiny_models):
     assert _axes(layer.qkv) == (None, None) and layer.qkv_groups == 1
     assert _axes(layer.gate_up) == (None, "model") and layer.mlp_groups == 4
     assert _axes(sd.params.layers[0].q) == (None, None)  # drafter: 4 query / 2 KV heads as well
-    reference = spec.speculative_generate(target, drafter, PROMPTS, MAX_NEW, stop_ids=[])
+    reference = spec.speculative_generate(target, drafter, PROMPTS, MAX_NEW, stop_ids=[], verify=drafter.config.block_size)
     with use_mesh(mesh):
-        result = spec.speculative_generate(st, sd, PROMPTS, MAX_NEW, stop_ids=[])
+        result = spec.speculative_generate(st, sd, PROMPTS, MAX_NEW, stop_ids=[], verify=sd.config.block_size)
     assert result.token_ids == reference.token_ids
 
 

@@ -31,7 +31,6 @@ from drafter_helpers import append, forward, tapped_features, with_random_inject
 from flax import struct
 from scipy import stats
 
-from dspine_jax.decoding.adaptive import fixed_policy, make_policy
 from dspine_jax.decoding.sampling import Sampling, sampling_probs
 from dspine_jax.decoding.speculative import (
     DrafterProposer,
@@ -132,20 +131,28 @@ def exact_joint(target, temperature: float, top_p: float, top_k: int) -> np.ndar
 
 
 def sample_first_tokens(target, proposer, temperature: float, top_p: float, top_k: int, verify: int | tuple):
-    """``verify``: a fixed length, or a schedule of lengths pinned round by round (the adaptive loop's
-    switch between compiled lengths, forced to change every round)."""
+    """``verify``: a fixed length (the jitted loop, vmapped over seeds), or a schedule of lengths pinned round
+    by round (``speculative_generate``'s adaptive loop, its length forced to change every round; one row
+    per sample, every row with its own key)."""
+    if isinstance(verify, tuple):
+        outs, accepted = [], []
+        for chunk in range(SAMPLES // CHUNK):
+            res = speculative_generate(
+                target, proposer, [PROMPT] * CHUNK, N_TOKENS, temperature=temperature, top_p=top_p, top_k=top_k,
+                seed=100 + chunk, stop_ids=[], verify_schedule=list(verify), verify_costs={1: 1.0, 2: 1.0, 4: 1.0},
+            )
+            assert all(row == list(verify)[: len(row)] for row in res.verify_lengths)
+            outs.append(np.asarray(res.token_ids))
+            accepted.append(np.asarray([row[0] for row in res.accepted_proposals]))
+        return np.concatenate(outs), np.concatenate(accepted)
     tokens = jnp.asarray([PROMPT + [0] * (16 - len(PROMPT))], jnp.int32)
     lengths = jnp.asarray([len(PROMPT)], jnp.int32)
-    if isinstance(verify, tuple):
-        policy = make_policy((1, 2, 4), {1: 1.0, 2: 1.0, 4: 1.0}, verify)
-    else:
-        policy = fixed_policy(verify)
 
     def one(key):  # one row per seed; vmap turns seeds into the batch
         return generate_impl(
             target, proposer, tokens, lengths, key, jnp.float32(temperature), jnp.float32(top_p),
-            jnp.asarray([-1], jnp.int32), jnp.int32(N_TOKENS), policy,
-            capacity=16, out_width=N_TOKENS, top_k=top_k, greedy=False,
+            jnp.asarray([-1], jnp.int32), jnp.int32(N_TOKENS),
+            capacity=16, out_width=N_TOKENS, verify_len=verify, top_k=top_k, greedy=False,
         )
 
     run = jax.jit(jax.vmap(one))

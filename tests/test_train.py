@@ -424,7 +424,8 @@ def test_cli_train_resume_export(tiny_models, tiny_target, tiny_dataset, tmp_pat
     assert json.loads((out / "stats.json").read_text())["last_step"] == 6
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     # The periodic held-out τ is speculative_generate's with the drafter of that step (= the export).
-    held_tau = speculative_generate(target, drafter, [[7, 8, 9, 10]], max_new_tokens=32).mean_acceptance
+    held_tau = speculative_generate(target, drafter, [[7, 8, 9, 10]], max_new_tokens=32,
+                                    verify=drafter.config.block_size).mean_acceptance
     assert last["step"] == 6 and last["tau_code"] == held_tau
     # The export records what the run used: its warm-up, and a dedicated mask token (not pad/EOS/BOS).
     run = json.loads((out / "run.json").read_text())

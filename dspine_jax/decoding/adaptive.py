@@ -144,16 +144,21 @@ def expected_tokens(state: PolicyState, lengths: tuple[int, ...], remaining: Arr
     return 1.0 + jnp.take_along_axis(cum, usable - 1, axis=1)
 
 
-def choose(policy: VerifyPolicy, state: PolicyState, running: Array, remaining: Array, round_index: Array) -> Array:
-    """The candidate index (int32 scalar) for the next round of the batch."""
+def choose(
+    policy: VerifyPolicy, state: PolicyState, running: Array, remaining: Array, round_index: Array
+) -> tuple[Array, Array]:
+    """The candidate index (int32 scalar) for the next rounds of the batch, and whether it is a probe (the
+    caller then runs one round only before choosing again)."""
     gain = jnp.sum(jnp.where(running[:, None], expected_tokens(state, policy.lengths, remaining), 0.0), axis=0)  # [L]
     best = jnp.argmax(gain / policy.costs).astype(jnp.int32)
     lengths = jnp.asarray(policy.lengths, jnp.int32)
     probe_index = max(i for i, t in enumerate(policy.lengths) if t <= max(PROBE_LENGTH, policy.lengths[0]))
-    due = jnp.any(running & (state.idle >= state.wait))
-    best = jnp.where((lengths[best] == 1) & due, probe_index, best)
+    due = (lengths[best] == 1) & jnp.any(running & (state.idle >= state.wait))
+    # Drafting on the prior alone (nothing observed yet) is a probe too: one round, then decide on data.
+    unseen = (lengths[best] > 1) & jnp.all(jnp.where(running, state.tries[:, 0] == 0, True))
+    best = jnp.where(due, probe_index, best)
     pinned = policy.schedule[round_index % SCHEDULE_WIDTH]
-    return jnp.where(pinned >= 0, pinned, best)
+    return jnp.where(pinned >= 0, pinned, best), (due | unseen) & (pinned < 0)
 
 
 def update(state: PolicyState, length: Array, accepted: Array, running: Array) -> PolicyState:
@@ -162,7 +167,10 @@ def update(state: PolicyState, length: Array, accepted: Array, running: Array) -
     drafted = running & (length > 1)
     tested = drafted[:, None] & (slot < length - 1) & (slot <= accepted[:, None])
     hit = (slot < accepted[:, None]).astype(jnp.float32)
-    wait = jnp.where(accepted > 0, FIRST_WAIT, jnp.minimum(2 * state.wait, MAX_WAIT))
+    # A probe (a drafted round after plain ones) that brings nothing doubles the wait; any accepted token
+    # resets it.
+    failed_probe = (state.idle > 0) & (accepted == 0)
+    wait = jnp.where(accepted > 0, FIRST_WAIT, jnp.where(failed_probe, jnp.minimum(2 * state.wait, MAX_WAIT), state.wait))
     # Every slot of a drafting row decays, tested or not: what deep slots did before acceptance changed
     # fades, and their estimates fall back on the (chained) prior.
     fade = jnp.where(drafted[:, None], DECAY, 1.0)
@@ -184,10 +192,11 @@ def batch_bucket(batch: int) -> int:
 
 
 def costs_key(target, proposer_tag: str, batch: int, lengths: Sequence[int]) -> str:
-    """What a measurement depends on: the device, the target's shape and dtype, the proposer's shape, the
-    batch bucket and the candidate lengths (not the weights' values)."""
+    """What a measurement depends on: the device and how many the target spans, the target's shape and dtype,
+    the proposer's shape, the batch bucket and the candidate lengths (not the weights' values)."""
     device = jax.devices()[0]
-    identity = json.dumps([str(target.config), str(target.dtype), proposer_tag], sort_keys=True)
+    spread = len(getattr(target.params.embed.sharding, "device_set", ())) or 1  # devices the target spans
+    identity = json.dumps([str(target.config), str(target.dtype), spread, proposer_tag], sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return f"{device.platform}:{device.device_kind}|{digest}|b{batch_bucket(batch)}|T{','.join(map(str, lengths))}"
 

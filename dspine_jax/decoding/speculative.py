@@ -60,6 +60,7 @@ _log = logging.getLogger("dspine_jax")
 
 TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
 STOP_BUCKET = 8  # stop ids are padded with -1 to a multiple of this, so their count does not recompile
+DECIDE_EVERY = 4  # verify="auto": rounds per host call between two choices of the verify length
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,10 +373,28 @@ def prefill_impl(
     return cache, state, first
 
 
-@struct.dataclass
-class LoopOutput:
-    """``loop_impl``'s result (shapes in its docstring)."""
+def policy_round(
+    target: tgt.Target, proposer: Proposer, state: RoundState, stats: adaptive.PolicyState, sampling: Sampling,
+    stop_ids: Array, counts: Array, *, verify_len: int, all_greedy: bool,
+) -> tuple[RoundState, adaptive.PolicyState, RoundOutput]:
+    """``speculative_round`` plus the acceptance statistics the adaptive policy chooses the next length from."""
+    running = state.running
+    state, out = speculative_round(
+        target, proposer, state, sampling, stop_ids, counts, verify_len=verify_len, all_greedy=all_greedy
+    )
+    return state, adaptive.update(stats, jnp.int32(verify_len), out.accepted, running), out
 
+
+@struct.dataclass
+class LoopCarry:
+    """The decode loop's state between rounds (and between the host's calls of ``run_segment``). Per row:
+    tokens ``[B, out_width + T_max]`` (the first ``counts`` are valid), then one entry per verify step
+    ``[B, out_width]``: tokens kept (``kept``), proposals accepted before stop/budget cuts (``accepted``), the
+    step's verify length (``lengths``); ``rounds`` verify steps per row, ``iterations`` rounds of the loop."""
+
+    round: RoundState
+    stats: adaptive.PolicyState
+    sampling: Sampling
     tokens: Array
     counts: Array
     stopped: Array
@@ -384,128 +403,117 @@ class LoopOutput:
     lengths: Array
     rounds: Array
     iterations: Array
-    cache: Any
-    proposer_state: Any
 
 
-def policy_round(
-    target: tgt.Target, proposer: Proposer, policy: VerifyPolicy, state: RoundState, pstate: adaptive.PolicyState,
-    sampling: Sampling, stop_ids: Array, counts: Array, round_index: Array, *, all_greedy: bool,
-) -> tuple[RoundState, adaptive.PolicyState, RoundOutput, Array]:
-    """One ``speculative_round`` at the length ``policy`` picks (a fixed policy: its one length, no choice
-    compiled), the statistics updated. Returns the states, the output (``emitted`` padded to
-    ``policy.max_length``) and the verify length used (int32 scalar)."""
-    t_max = policy.max_length
+def start_impl(
+    cache, state, first: Array, key: Array, temperature: Array, top_p: Array, top_k: Array | int, stop_ids: Array,
+    max_new_tokens: Array, *, out_width: int, max_verify: int,
+) -> LoopCarry:
+    """The loop's first carry after prefill. ``cache`` must have ``max_verify`` slack slots past the planned
+    capacity (``speculative_generate`` allocates them). Same budget as ``generate``: one token per free
+    planned slot + the last one, never fed back."""
+    batch = first.shape[0]
+    capacity = cache.capacity - max_verify  # planned capacity; the slots beyond it are verify slack
+    stopped = jnp.isin(first, stop_ids)
+    budget = jnp.minimum(max_new_tokens, capacity - cache.lengths + 1)  # [B]
+    history = jnp.zeros((batch, out_width), jnp.int32)
+    return LoopCarry(
+        round=RoundState(
+            cache=cache, proposer_state=state, anchor=first, running=~stopped & (budget > 1), remaining=budget - 1,
+            keys=jax.random.split(key, batch),
+        ),
+        stats=adaptive.init_state(batch, max_verify), sampling=Sampling.rows(batch, temperature, top_p, top_k),
+        tokens=jnp.zeros((batch, out_width + max_verify), jnp.int32).at[:, 0].set(first),
+        counts=jnp.ones((batch,), jnp.int32), stopped=stopped, kept=history, accepted=history, lengths=history,
+        rounds=jnp.zeros((batch,), jnp.int32), iterations=jnp.zeros((), jnp.int32),
+    )
 
-    def at(length: int):
-        def run(s: RoundState) -> tuple[RoundState, RoundOutput]:
-            s, out = speculative_round(
-                target, proposer, s, sampling, stop_ids, counts, verify_len=length, all_greedy=all_greedy
-            )
-            return s, out.replace(emitted=jnp.pad(out.emitted, ((0, 0), (0, t_max - length))))
 
-        return run
+def run_segment(
+    target: tgt.Target, proposer: Proposer, carry: LoopCarry, stop_ids: Array, max_rounds: Array | None = None,
+    *, verify_len: int, greedy: bool,
+) -> LoopCarry:
+    """Rounds of ``verify_len`` tokens until every row stops, or ``max_rounds`` rounds (``None``: no limit)."""
+    t = verify_len
+    batch = carry.counts.shape[0]
+    out_width = carry.kept.shape[1]
+    rows = jnp.arange(batch)
+    slots = jnp.arange(t)[None, :]  # [1, T]
+    end = None if max_rounds is None else carry.iterations + max_rounds
 
-    running = state.running
-    if not policy.adaptive:
-        state, out = at(t_max)(state)
-        length = jnp.int32(t_max)
-    else:
-        choice = adaptive.choose(policy, pstate, running, state.remaining, round_index)
-        state, out = jax.lax.switch(choice, [at(t) for t in policy.lengths], state)
-        length = jnp.asarray(policy.lengths, jnp.int32)[choice]
-    return state, adaptive.update(pstate, length, out.accepted, running), out, length
+    def cond(c: LoopCarry) -> Array:
+        alive = jnp.any(c.round.running)
+        return alive if end is None else alive & (c.iterations < end)
+
+    def body(c: LoopCarry) -> LoopCarry:
+        running, counts = c.round.running, c.counts
+        round_state, stats, result = policy_round(
+            target, proposer, c.round, c.stats, c.sampling, stop_ids, counts, verify_len=t, all_greedy=greedy
+        )
+        n_keep = result.n_keep
+        columns = jnp.where(slots < n_keep[:, None], counts[:, None] + slots, c.tokens.shape[1])  # out of range → dropped
+        record = jnp.where(running, c.rounds, out_width)  # out of range → dropped
+        return c.replace(
+            round=round_state, stats=stats, tokens=c.tokens.at[rows[:, None], columns].set(result.emitted, mode="drop"),
+            counts=counts + n_keep, stopped=c.stopped | result.hit_stop,
+            kept=c.kept.at[rows, record].set(n_keep, mode="drop"),
+            accepted=c.accepted.at[rows, record].set(result.accepted, mode="drop"),
+            lengths=c.lengths.at[rows, record].set(t, mode="drop"), rounds=c.rounds + running,
+            iterations=c.iterations + 1,
+        )
+
+    return jax.lax.while_loop(cond, body, carry)
+
+
+def segment_impl(
+    target: tgt.Target, proposer: Proposer, carry: LoopCarry, stop_ids: Array, max_rounds: Array,
+    policy: VerifyPolicy, *, verify_len: int, greedy: bool,
+) -> tuple[LoopCarry, Array, Array, Array]:
+    """``max_rounds`` rounds at ``verify_len``, then the policy's next choice (a candidate index), whether it
+    is a probe, and whether any row still runs: the adaptive loop's unit, driven from the host
+    (``speculative_generate``).
+    One compiled program per length; choosing on the device inside one loop (``lax.switch`` over rounds)
+    measured ~10 % slower on CPU, the caches being copied in and out of the switch."""
+    carry = run_segment(target, proposer, carry, stop_ids, max_rounds, verify_len=verify_len, greedy=greedy)
+    choice, probe = adaptive.choose(policy, carry.stats, carry.round.running, carry.round.remaining, carry.iterations)
+    return carry, choice, probe, jnp.any(carry.round.running)
 
 
 def loop_impl(
     target: tgt.Target, proposer: Proposer, cache, state, first: Array, key: Array, temperature: Array,
-    top_p: Array, stop_ids: Array, max_new_tokens: Array, policy: VerifyPolicy, max_rounds: Array | None = None,
-    *, out_width: int, top_k: Array | int, greedy: bool,
-):
-    """Speculative rounds (``policy_round``) until every row stops (or after ``max_rounds`` rounds). ``top_k``
-    is traced here (the round filters per row), so a new top-k does not recompile the loop; so are the
-    policy's costs and schedule.
-
-    ``cache`` must have ``policy.max_length`` slack slots past the planned capacity (``speculative_generate``
-    allocates them). Returns tokens ``[B, out_width + T]`` (row b's first ``counts[b]`` are valid),
-    counts ``[B]``, stopped ``[B]`` (ended on a stop id), kept ``[B, out_width]`` (tokens each verify
-    step added to the row's output), accepted ``[B, out_width]`` (proposals the step accepted, before
-    stop/budget cuts), lengths ``[B, out_width]`` (the step's verify length), rounds ``[B]`` (verify steps
-    per row), loop iterations, and the final caches.
-    """
-    t = policy.max_length
-    batch = first.shape[0]
-    capacity = cache.capacity - t  # planned capacity; the T slots beyond it are verify slack
-    out = jnp.zeros((batch, out_width + t), jnp.int32).at[:, 0].set(first)
-    stopped = jnp.isin(first, stop_ids)
-    # Same budget as generate: one token per free planned slot + the last one, never fed back.
-    budget = jnp.minimum(max_new_tokens, capacity - cache.lengths + 1)  # [B]
-    sampling = Sampling.rows(batch, temperature, top_p, top_k)
-    round_state = RoundState(
-        cache=cache, proposer_state=state, anchor=first, running=~stopped & (budget > 1), remaining=budget - 1,
-        keys=jax.random.split(key, batch),
-    )
-    rows = jnp.arange(batch)
-    slots = jnp.arange(t)[None, :]  # [1, T]
-    limit = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
-
-    def cond(carry) -> Array:
-        return jnp.any(carry["round"].running) & (carry["iterations"] < limit)
-
-    def body(carry):
-        running, counts = carry["round"].running, carry["counts"]
-        round_state, pstate, result, length = policy_round(
-            target, proposer, policy, carry["round"], carry["policy"], sampling, stop_ids, counts,
-            carry["iterations"], all_greedy=greedy,
-        )
-        n_keep = result.n_keep
-        columns = jnp.where(slots < n_keep[:, None], counts[:, None] + slots, carry["out"].shape[1])  # out of range → dropped
-        record = jnp.where(running, carry["rounds"], out_width)  # out of range → dropped
-        return dict(
-            round=round_state, policy=pstate, out=carry["out"].at[rows[:, None], columns].set(result.emitted, mode="drop"),
-            counts=counts + n_keep, stopped=carry["stopped"] | result.hit_stop,
-            kept=carry["kept"].at[rows, record].set(n_keep, mode="drop"),
-            accepted=carry["accepted"].at[rows, record].set(result.accepted, mode="drop"),
-            lengths=carry["lengths"].at[rows, record].set(length, mode="drop"),
-            rounds=carry["rounds"] + running, iterations=carry["iterations"] + 1,
-        )
-
-    history = jnp.zeros((batch, out_width), jnp.int32)
-    carry = dict(
-        round=round_state, policy=adaptive.init_state(batch, t), out=out, counts=jnp.ones((batch,), jnp.int32),
-        stopped=stopped, kept=history, accepted=history, lengths=history, rounds=jnp.zeros((batch,), jnp.int32),
-        iterations=jnp.zeros((), jnp.int32),
-    )
-    carry = jax.lax.while_loop(cond, body, carry)
-    return LoopOutput(
-        tokens=carry["out"], counts=carry["counts"], stopped=carry["stopped"], kept=carry["kept"],
-        accepted=carry["accepted"], lengths=carry["lengths"], rounds=carry["rounds"],
-        iterations=carry["iterations"], cache=carry["round"].cache, proposer_state=carry["round"].proposer_state,
-    )
+    top_p: Array, stop_ids: Array, max_new_tokens: Array, *, out_width: int, verify_len: int, top_k: Array | int,
+    greedy: bool,
+) -> LoopCarry:
+    """Rounds of a fixed ``verify_len`` until every row stops, as one device loop (``jax.vmap``-able)."""
+    carry = start_impl(cache, state, first, key, temperature, top_p, top_k, stop_ids, max_new_tokens,
+                       out_width=out_width, max_verify=verify_len)  # fmt: skip
+    return run_segment(target, proposer, carry, stop_ids, verify_len=verify_len, greedy=greedy)
 
 
 def generate_impl(
     target: tgt.Target, proposer: Proposer, tokens: Array, lengths: Array, key: Array, temperature: Array,
-    top_p: Array, stop_ids: Array, max_new_tokens: Array, policy: VerifyPolicy | None = None, *, capacity: int,
-    out_width: int, top_k: int, greedy: bool, verify_len: int | None = None,
-) -> LoopOutput:
-    """Prefill + loop as one pure function (``jax.vmap``-able: the statistical tests draw many samples
-    with it). ``capacity`` is the physical cache size (planned + the longest verify); ``verify_len`` is
-    shorthand for a fixed policy."""
-    policy = adaptive.fixed_policy(verify_len) if policy is None else policy
+    top_p: Array, stop_ids: Array, max_new_tokens: Array, *, capacity: int, out_width: int, verify_len: int,
+    top_k: int, greedy: bool,
+) -> LoopCarry:
+    """Prefill + loop at a fixed verify length as one pure function (``jax.vmap``-able: the statistical tests
+    draw many samples with it). ``capacity`` is the physical cache size (planned + ``verify_len``)."""
     key_prefill, key_loop = jax.random.split(key)
     cache, state, first = prefill_impl(
         target, proposer, tokens, lengths, key_prefill, temperature, top_p, capacity=capacity, top_k=top_k,
         greedy=greedy,
     )
     return loop_impl(
-        target, proposer, cache, state, first, key_loop, temperature, top_p, stop_ids, max_new_tokens, policy,
-        out_width=out_width, top_k=top_k, greedy=greedy,
+        target, proposer, cache, state, first, key_loop, temperature, top_p, stop_ids, max_new_tokens,
+        out_width=out_width, verify_len=verify_len, top_k=top_k, greedy=greedy,
     )
 
 
 prefill = jax.jit(prefill_impl, static_argnames=("capacity", "top_k", "greedy"))
-speculative_loop = jax.jit(loop_impl, static_argnames=("out_width", "greedy"), donate_argnames=("cache", "state"))
+speculative_loop = jax.jit(
+    loop_impl, static_argnames=("out_width", "verify_len", "greedy"), donate_argnames=("cache", "state")
+)
+start_loop = jax.jit(start_impl, static_argnames=("out_width", "max_verify"), donate_argnames=("cache", "state"))
+loop_segment = jax.jit(segment_impl, static_argnames=("verify_len", "greedy"), donate_argnames=("carry",))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,25 +623,71 @@ def proposer_tag(proposer: Proposer) -> str:
     return type(proposer).__name__
 
 
-def measure_verify_costs(
-    run_prefill, run_loop, lengths: tuple[int, ...], rounds: int = 8, repeats: int = 3
-) -> dict[int, float]:
-    """Seconds per round at each verify length: the real loop pinned to each length for ``rounds`` rounds,
-    median of ``repeats`` after one warm-up, the lengths interleaved so that a busy machine slows them
-    alike. ``run_prefill()`` returns fresh loop inputs; ``run_loop(inputs, policy, max_rounds)`` runs the
-    loop and returns its ``LoopOutput``."""
-    policies = {t: adaptive.make_policy(lengths, dict.fromkeys(lengths, 1.0), [t]) for t in lengths}
+def measure_verify_costs(start, run, lengths: tuple[int, ...], rounds: int = 8, repeats: int = 3) -> dict[int, float]:
+    """Seconds per round at each verify length: ``rounds`` rounds of the real loop at that length, median of
+    ``repeats`` after one warm-up, the lengths interleaved so that a busy machine slows them alike.
+    ``start()`` returns a fresh carry; ``run(carry, length, rounds)`` runs the rounds and returns the carry."""
     seconds: dict[int, list[float]] = {t: [] for t in lengths}
     iterations: dict[int, list[int]] = {t: [] for t in lengths}
     for attempt in range(repeats + 1):
         for length in lengths:
-            inputs = jax.block_until_ready(run_prefill())
-            start = time.perf_counter()
-            out = jax.block_until_ready(run_loop(inputs, policies[length], jnp.int32(rounds)))
+            carry = jax.block_until_ready(start())
+            begin = time.perf_counter()
+            carry = jax.block_until_ready(run(carry, length, rounds))
             if attempt:  # the first pass warms caches up
-                seconds[length].append(time.perf_counter() - start)
-                iterations[length].append(int(out.iterations))
+                seconds[length].append(time.perf_counter() - begin)
+                iterations[length].append(int(carry.iterations))
     return {t: adaptive.median_seconds_per_round(seconds[t], iterations[t]) for t in lengths}
+
+
+def adaptive_decode(
+    target: tgt.Target, proposer: Proposer, clock: CompileTimer, candidates: tuple[int, ...], prefilled,
+    fresh_prefill, sampling_args, stop_array: Array, max_new_tokens: int, out_width: int, greedy: bool,
+    verify_costs: Mapping[int, float] | None, verify_schedule: Sequence[int] | None,
+) -> tuple[LoopCarry, float, float]:
+    """``verify="auto"``: segments of ``DECIDE_EVERY`` rounds (a probe: one; a pinned schedule: one) at the
+    length the policy chose at the end of the previous segment, from the prefilled caches to the end.
+    ``sampling_args``: key, temperature, top-p, top-k. Returns the final carry, the decode seconds and the
+    seconds spent measuring the cost model (0 when given or cached). Every program is compiled (on
+    ``clock``) before anything is timed."""
+    t_max = max(candidates)
+    start_kwargs = dict(out_width=out_width, max_verify=t_max)
+    start_args = (*sampling_args, stop_array, jnp.int32(max_new_tokens))
+    carry, start_seconds = clock.run(start_loop, *prefilled, *start_args, **start_kwargs)
+    every = 1 if verify_schedule is not None else DECIDE_EVERY
+    unit = adaptive.make_policy(candidates, dict.fromkeys(candidates, 1.0))
+    for t in candidates:  # one program per length
+        clock.compile(loop_segment, target, proposer, carry, stop_array, jnp.int32(every), unit, verify_len=t,
+                      greedy=greedy)  # fmt: skip
+    costs, calibration = verify_costs, 0.0
+    if costs is None:
+        key = adaptive.costs_key(target, proposer_tag(proposer), carry.counts.shape[0], candidates)
+        costs = adaptive.load_costs(key)
+        if costs is None:
+            _log.info("measuring verify costs for lengths %s (once per device, model, drafter and batch size; "
+                      "cached in %s)", list(candidates), adaptive.COSTS_FILE)
+            begin = time.perf_counter()
+            no_stops = jnp.full_like(stop_array, -1)  # every row runs the measured rounds
+            costs = measure_verify_costs(
+                lambda: start_loop(*fresh_prefill(), *start_args, **start_kwargs),
+                lambda c, t, n: loop_segment(target, proposer, c, no_stops, jnp.int32(n), unit, verify_len=t,
+                                             greedy=greedy)[0],
+                candidates,
+            )  # fmt: skip
+            calibration = time.perf_counter() - begin
+            adaptive.store_costs(key, costs)
+    policy = adaptive.make_policy(candidates, costs, verify_schedule)
+    begin = time.perf_counter()
+    choice, probe = adaptive.choose(policy, carry.stats, carry.round.running, carry.round.remaining, carry.iterations)
+    alive = bool(jnp.any(carry.round.running))
+    while alive:  # host-driven: a few rounds (a probe: one) at the chosen length, then the next choice
+        rounds = jnp.int32(1 if bool(probe) else every)
+        carry, choice, probe, alive = loop_segment(
+            target, proposer, carry, stop_array, rounds, policy, verify_len=candidates[int(choice)], greedy=greedy
+        )
+        alive = bool(alive)
+    carry = jax.block_until_ready(carry)
+    return carry, start_seconds + time.perf_counter() - begin, calibration
 
 
 def speculative_generate(
@@ -655,13 +709,13 @@ def speculative_generate(
     """Decode up to ``max_new_tokens`` per row speculatively; same conventions as ``generate``.
 
     ``drafter``: a ``Drafter`` or any ``Proposer``. ``verify``: tokens per verify step (anchor +
-    proposals, ≤ the drafter's block), or ``"auto"`` (default): every round picks its length among
-    ``adaptive.candidate_lengths`` (1 = a plain decode step) from the rows' acceptance so far and the
-    device's cost per length (``verify_costs {T: seconds}``, else measured once and cached on disk, see
-    ``adaptive``); ``verify_schedule`` pins the lengths round by round (cyclic, tests). ``block_size`` is
-    the older name of a fixed ``verify``; ``sps_table`` (dict or JSON path from ``python -m
-    dspine_jax.tune``) fixes it by batch size. ``stop_ids=None`` uses the model's EOS ids, ``[]`` none.
-    Greedy (temperature 0) output equals ``generate``'s whatever the lengths.
+    proposals, ≤ the drafter's block), or ``"auto"`` (default): every ``DECIDE_EVERY`` rounds the policy
+    picks the length among ``adaptive.candidate_lengths`` (1 = a plain decode step) from the rows'
+    acceptance so far and the device's cost per length (``verify_costs {T: seconds}``, else measured once
+    and cached on disk, see ``adaptive``); ``verify_schedule`` pins the lengths round by round (cyclic,
+    tests). ``block_size`` is the older name of a fixed ``verify``; ``sps_table`` (dict or JSON path from
+    ``python -m dspine_jax.tune``) fixes it by batch size. ``stop_ids=None`` uses the model's EOS ids,
+    ``[]`` none. Greedy (temperature 0) output equals ``generate``'s whatever the lengths.
     """
     rows, capacity, tokens, lengths, stops = plan_request(
         target, prompt_ids, max_new_tokens, temperature, top_p, top_k, stop_ids
@@ -670,6 +724,8 @@ def speculative_generate(
     if isinstance(proposer, DrafterProposer):
         check_compatible(proposer.drafter.config, target)
     fixed = resolve_verify(proposer, len(rows), verify, block_size, sps_table)
+    if verify_schedule is not None and fixed is not None:
+        raise ValueError("verify_schedule pins the lengths of verify='auto'; a fixed verify has one length")
     candidates = (fixed,) if fixed is not None else adaptive.candidate_lengths(proposer_block(proposer))
     t_max = max(candidates)
     stops += [-1] * (round_up(max(len(stops), 1), STOP_BUCKET) - len(stops))
@@ -677,46 +733,25 @@ def speculative_generate(
     key_prefill, key_loop = jax.random.split(jax.random.key(seed))
     temp, top_p_arr = jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p)
     out_width = round_up(max_new_tokens, TOKEN_BUCKET)
-    calibration = 0.0
-
+    stop_array = jnp.asarray(stops, jnp.int32)
     prefill_args = (target, proposer, tokens, lengths, key_prefill, temp, top_p_arr)
     prefill_kwargs = dict(capacity=capacity + t_max, top_k=top_k, greedy=greedy)
 
-    def loop_args(inputs, policy, max_rounds, stop_array):
-        return (target, proposer, *inputs, key_loop, temp, top_p_arr, stop_array, jnp.int32(max_new_tokens), policy,
-                max_rounds)  # fmt: skip
-
-    loop_kwargs = dict(out_width=out_width, top_k=jnp.int32(top_k), greedy=greedy)
     clock = CompileTimer()  # compilation timed apart from prefill and decode (see generate)
-    inputs, prefill_seconds = clock.run(prefill, *prefill_args, **prefill_kwargs)
-    stop_array, no_limit = jnp.asarray(stops, jnp.int32), jnp.int32(jnp.iinfo(jnp.int32).max)
+    (cache, state, first), prefill_seconds = clock.run(prefill, *prefill_args, **prefill_kwargs)
     if fixed is not None:
-        policy = adaptive.fixed_policy(fixed)
-        if verify_schedule is not None:
-            raise ValueError("verify_schedule pins the lengths of verify='auto'; a fixed verify has one length")
+        calibration = 0.0
+        carry, decode_seconds = clock.run(
+            speculative_loop, target, proposer, cache, state, first, key_loop, temp, top_p_arr, stop_array,
+            jnp.int32(max_new_tokens), out_width=out_width, verify_len=fixed, top_k=jnp.int32(top_k), greedy=greedy,
+        )
     else:
-        # One compiled loop serves every length and schedule (costs and schedule are traced).
-        unit = adaptive.make_policy(candidates, dict.fromkeys(candidates, 1.0))
-        clock.compile(speculative_loop, *loop_args(inputs, unit, no_limit, stop_array), **loop_kwargs)
-        costs = verify_costs
-        if costs is None:
-            costs_key = adaptive.costs_key(target, proposer_tag(proposer), len(rows), candidates)
-            costs = adaptive.load_costs(costs_key)
-            if costs is None:
-                _log.info("measuring verify costs for lengths %s (once per device, model, drafter and batch "
-                          "size; cached in %s)", list(candidates), adaptive.COSTS_FILE)
-                start = time.perf_counter()
-                no_stops = jnp.full_like(stop_array, -1)  # every row runs the pinned rounds
-                costs = measure_verify_costs(
-                    lambda: prefill(*prefill_args, **prefill_kwargs),
-                    lambda fresh, pinned, rounds: speculative_loop(*loop_args(fresh, pinned, rounds, no_stops), **loop_kwargs),
-                    candidates,
-                )  # fmt: skip
-                calibration = time.perf_counter() - start
-                adaptive.store_costs(costs_key, costs)
-        policy = adaptive.make_policy(candidates, costs, verify_schedule)
-    loop_out, decode_seconds = clock.run(speculative_loop, *loop_args(inputs, policy, no_limit, stop_array), **loop_kwargs)
-    got = jax.device_get(loop_out.replace(cache=None, proposer_state=None))
+        carry, decode_seconds, calibration = adaptive_decode(
+            target, proposer, clock, candidates, (cache, state, first),
+            lambda: prefill(*prefill_args, **prefill_kwargs), (key_loop, temp, top_p_arr, jnp.int32(top_k)),
+            stop_array, max_new_tokens, out_width, greedy, verify_costs, verify_schedule,
+        )  # fmt: skip
+    got = jax.device_get(carry.replace(round=None, stats=None, sampling=None))
 
     n = len(rows)
     return SpeculativeResult(

@@ -25,7 +25,11 @@ does in the background before it reports ready):
   attention spans what the requests need rather than the whole context, and a step never slices or
   copies the caches: ``refit`` resizes them only when the slots or positions cross a bucket. Idle
   slots inside the bucket run too (static shapes) but commit nothing. With ``verify_len == 1`` and no drafter (``NoProposer``) it is
-  a plain autoregressive step (``--no-speculative``).
+  a plain autoregressive step (``--no-speculative``). With ``verify="auto"`` (the default) each step runs
+  at the length the adaptive policy (``decoding/adaptive.py``) chose at the end of the previous one, from
+  per-slot acceptance statistics kept on the host beside the anchors; one program per length, all
+  compiled by ``warmup``. The cost per length is measured on the first steps of each row bucket (pinned
+  lengths, exact like any other) and cached on disk.
 
 This module keeps only slot bookkeeping: admitting a request (prefill), stepping, releasing a slot.
 """
@@ -190,26 +194,26 @@ def refit(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int, c
     return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), (cache, pstate), extra)
 
 
-@functools.partial(jax.jit, static_argnames=("max_rounds",), donate_argnames=("cache", "pstate"))
+@functools.partial(jax.jit, static_argnames=("verify_len", "max_rounds"), donate_argnames=("cache", "pstate"))
 def step(
     target: tgt.Target, proposer: Proposer, cache, pstate, anchor: Array, running: Array, remaining: Array,
     key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, num_rounds: Array,
-    policy: VerifyPolicy, stats: adaptive.PolicyState, *, max_rounds: int,
+    policy: VerifyPolicy, stats: adaptive.PolicyState, *, verify_len: int, max_rounds: int,
 ):
     """One engine step: up to ``num_rounds`` (≤ ``max_rounds``, traced) rounds of ``policy_round`` — the
-    round ``speculative_generate`` runs, at the verify length ``policy`` picks (a fixed policy: always the
-    same one) — over the caches' ``R`` rows (the current row bucket), in one device loop that ends early
-    once no row runs. Several rounds per dispatch keep the host's per-step work (dispatch, read-back,
+    round ``speculative_generate`` runs — at ``verify_len`` over the caches' ``R`` rows (the current row
+    bucket), in one device loop that ends early once no row runs, then ``policy``'s choice of the next
+    step's length. Several rounds per dispatch keep the host's per-step work (dispatch, read-back,
     streaming) off the critical path; the host asks for one round when requests are waiting to be
     admitted. The caches are donated and updated in place.
 
     ``anchor [R]`` last emitted token per slot; ``running [R]`` bool; ``remaining [R]`` tokens the slot may
     still emit (≥ 1 for running slots); ``key_data [R, 2]``; per-slot sampling parameters ``[R]``
     (temperature 0 = greedy); ``stats``: the slots' acceptance statistics ``[R, …]``. Returns the caches,
-    then per round ``[max_rounds, R, …]``: emitted ``[.., T_max]``, ``n_keep`` (tokens of emitted to append,
+    then per round ``[max_rounds, R, …]``: emitted ``[.., T]``, ``n_keep`` (tokens of emitted to append,
     0 for rows that do not run), ``accepted`` (proposals verification accepted) and ``hit_stop`` (the kept
-    tokens end on a stop id); the verify length per round ``[max_rounds]``, the rounds run, the next key
-    data and the updated statistics.
+    tokens end on a stop id); the rounds run, the next key data, the updated statistics and the next
+    step's length (an index into ``policy.lengths``).
     """
     state = RoundState(
         cache=cache, proposer_state=pstate, anchor=anchor, running=running, remaining=remaining,
@@ -218,31 +222,29 @@ def step(
     sampling = Sampling(temperature, top_p, top_k)
     rows = anchor.shape[0]
     history = dict(
-        emitted=jnp.zeros((max_rounds, rows, policy.max_length), jnp.int32),
+        emitted=jnp.zeros((max_rounds, rows, verify_len), jnp.int32),
         n_keep=jnp.zeros((max_rounds, rows), jnp.int32), accepted=jnp.zeros((max_rounds, rows), jnp.int32),
         hit_stop=jnp.zeros((max_rounds, rows), bool),
     )
-    lengths = jnp.zeros((max_rounds,), jnp.int32)
 
     def cond(carry):
         done, state, *_ = carry
         return (done < num_rounds) & jnp.any(state.running)
 
     def body(carry):
-        done, state, stats, history, lengths = carry
+        done, state, stats, history = carry
         # ``counts`` only matters to reference-indexing proposers (tests), which the engine does not run.
-        state, stats, out, length = policy_round(
-            target, proposer, policy, state, stats, sampling, stop_ids, jnp.zeros_like(remaining), done,
+        state, stats, out = policy_round(
+            target, proposer, state, stats, sampling, stop_ids, jnp.zeros_like(remaining), verify_len=verify_len,
             all_greedy=False,
         )
         history = {name: history[name].at[done].set(getattr(out, name)) for name in history}
-        return done + 1, state, stats, history, lengths.at[done].set(length)
+        return done + 1, state, stats, history
 
-    done, state, stats, history, lengths = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), state, stats, history, lengths)
-    )
+    done, state, stats, history = jax.lax.while_loop(cond, body, (jnp.int32(0), state, stats, history))
+    choice, probe = adaptive.choose(policy, stats, state.running, state.remaining, jnp.int32(0))
     return (state.cache, state.proposer_state, history["emitted"], history["n_keep"], history["accepted"],
-            history["hit_stop"], lengths, done, jax.random.key_data(state.keys), stats)
+            history["hit_stop"], done, jax.random.key_data(state.keys), stats, choice, probe)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
@@ -330,6 +332,8 @@ class EngineCore:
         self.stats = jax.device_get(adaptive.init_state(num_slots, self.max_verify))  # per slot, host copy
         self.costs: dict[int, dict[int, float]] = dict(verify_costs or {})  # row bucket → {T: seconds}
         self._cost_samples: dict[int, dict[int, list[float]]] = {}  # row bucket → T → seconds per round
+        self._next_length: tuple[int, bool] | None = None  # the policy's choice for the next step, a probe?
+        self._forced_length: int | None = None  # warmup compiles every length
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
         self.max_rounds = max_rounds
@@ -527,20 +531,31 @@ class EngineCore:
             return StepResult({}, {}, [], 0)
         self._fit(self._highest_occupied(), self._needed_positions())  # grows as rows advance, shrinks after releases
         r = self.rows
-        policy, calibrating = self.policy_for(n, r)
+        policy, t = self.policy_for(n, r)
+        chosen = t is None  # by the policy (else fixed, warmup's or calibration's)
+        calibrating = not chosen and bool(self.candidates) and self._forced_length is None
+        probe = False
+        if chosen:  # the policy's choice at the end of the previous step (first step: chosen here)
+            if self._next_length is None:
+                index, probe = adaptive.choose(
+                    policy, jax.tree.map(lambda a: a[:r], self.stats), active[:r], self.remaining[:r], 0)
+                self._next_length = (policy.lengths[int(index)], bool(probe))
+            t, probe = self._next_length
         rounds = self.max_rounds if rounds is None else max(1, min(rounds, self.max_rounds))
+        rounds = 1 if probe else rounds  # a probe is one round; the policy decides again after it
         start = time.perf_counter()
         with use_mesh(self.mesh):
-            self.cache, self.pstate, emitted, n_keep, _, hit_stop, lengths, done, key_next, stats = step(
+            self.cache, self.pstate, emitted, n_keep, _, hit_stop, done, key_next, stats, choice, probe = step(
                 self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
                 jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
                 jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, jnp.int32(rounds),
-                policy, jax.tree.map(lambda a: a[:r], self.stats), max_rounds=self.max_rounds,
+                policy, jax.tree.map(lambda a: a[:r], self.stats), verify_len=t, max_rounds=self.max_rounds,
             )
-        emitted, n_keep, hit_stop, lengths, done, key_next, stats = jax.device_get(
-            (emitted, n_keep, hit_stop, lengths, done, key_next, stats))
-        if calibrating is not None and int(done):
-            self._record_cost(r, calibrating, (time.perf_counter() - start) / int(done))
+        emitted, n_keep, hit_stop, done, key_next, stats, choice, probe = jax.device_get(
+            (emitted, n_keep, hit_stop, done, key_next, stats, choice, probe))
+        if calibrating and int(done):
+            self._record_cost(r, t, (time.perf_counter() - start) / int(done))
+        self._next_length = (policy.lengths[int(choice)], bool(probe)) if chosen else None
         self.stats = jax.tree.map(lambda a, b: _set_rows(a, b), self.stats, stats)
         self.key_data[:r] = np.asarray(key_next, np.uint32)
         tokens, finished, accepted = {int(i): [] for i in np.flatnonzero(active)}, {}, []
@@ -563,14 +578,19 @@ class EngineCore:
                     finished[i] = "length"
                 if i in finished:
                     self.running[i] = False
-        return StepResult(tokens, finished, accepted, n, [int(x) for x in lengths[: int(done)]])
+        return StepResult(tokens, finished, accepted, n, [t] * int(done))
 
     # -- adaptive verification
     def policy_for(self, batch: int, rows: int) -> tuple[VerifyPolicy, int | None]:
-        """The step's verify policy and, while the row bucket's costs are being measured, the length it is
-        pinned to (the one with the fewest samples; every length is exact, so live steps can measure)."""
+        """The step's verify policy and the length the step must run at, if it is fixed: a fixed verify
+        length, a length warmup compiles, or, while the row bucket's costs are being measured, the length
+        with the fewest samples (every length is exact, so live steps can measure). None: the policy's."""
         if not self.candidates:
-            return adaptive.fixed_policy(self.verify_len_for(batch)), None
+            t = self._forced_length or self.verify_len_for(batch)
+            return adaptive.fixed_policy(t), t
+        unit = adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0))  # same program as served
+        if self._forced_length is not None:
+            return unit, self._forced_length
         costs = self.costs.get(rows)
         if costs is None and not self._warming:
             costs = adaptive.load_costs(self._costs_key(rows))
@@ -579,8 +599,7 @@ class EngineCore:
         if costs is not None:
             return adaptive.make_policy(self.candidates, costs), None
         samples = self._cost_samples.setdefault(rows, {t: [] for t in self.candidates})
-        length = min(self.candidates, key=lambda t: len(samples[t]))
-        return adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0), [length]), length
+        return unit, min(self.candidates, key=lambda t: len(samples[t]))
 
     def _costs_key(self, rows: int) -> str:
         return adaptive.costs_key(self.target, f"engine|{proposer_tag(self.proposer)}", rows, self.candidates)
@@ -612,17 +631,17 @@ class EngineCore:
                         progress(f"compiling prefill (prompt width {width}, capacity {capacity})")
                     self.add(0, [bos] * min(width, self.context_length), 1, SlotParams())
                     self.release(0)
-                for t in sorted(set(self.verify_lengths.values())):
+                for t in self.candidates or sorted(set(self.verify_lengths.values())):
                     for rows in self.row_buckets:
                         if progress:
                             progress(f"compiling step (verify length {t}, {rows} rows, capacity {capacity})")
                         slot = rows - 1
                         self.add(slot, [bos], 2, SlotParams())
-                        table, self.verify_lengths = self.verify_lengths, {1: t}
+                        self._forced_length = t
                         try:
                             self.step()
                         finally:
-                            self.verify_lengths = table
+                            self._forced_length = None
                         self.release(slot)
         finally:
             self._forced_capacity, self._warming = None, False

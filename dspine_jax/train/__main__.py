@@ -153,7 +153,8 @@ def make_eval_fn(target, data_dir: Path, per_domain: int, max_new_tokens: int = 
         for domain, records in held.items():
             prompts = [r["prompt_ids"] for r in records[:per_domain]]
             if prompts:
-                res = speculative_generate(target, drafter, prompts, max_new_tokens=max_new_tokens)
+                res = speculative_generate(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                                           verify=drafter.config.block_size)  # τ of the whole block
                 out[f"tau_{domain}"] = res.mean_acceptance
         return out
 

@@ -125,7 +125,7 @@ mask token = id {mask_id}.
 - Objective: {f'0.1·CE + 0.9·L1 to the target distribution, LWR refinement loss over the detached top-16, cosine alignment (β warm-up 0→0.5 over {warmup} steps), predecessor replacement in the first 3 layers' if kind == 'dspine' else 'cross-entropy'};
   {objective_decay} with the cumulative supervision mask (SpecForge's defaults: γ = 7 for DSpine, none for DFlash).
 - {steps} steps{f" (cut at step {steps} of a {args['steps']}-step cosine schedule; `--resume` finishes it)" if steps < args['steps'] else ''} × {args['batch_size']} sequences × {args['anchors']} anchors = {blocks} blocks
-  ({blocks * 15} supervised slot positions at most); AdamW lr {args['lr']}, cosine with 4 % warm-up, clip 1.0, seed {args['seed']}.
+  ({blocks * (block - 1)} supervised slot positions at most); AdamW lr {args['lr']}, cosine with 4 % warm-up, clip 1.0, seed {args['seed']}.
 - Wall time {stats['wall_seconds'] / 60:.1f} min on a 2-core CPU{' (this stage only)' if args.get('init_from') else ''}.
 - Training metrics (one batch each, noisy) at step {last.get('step', steps)}: loss {last.get('loss', float('nan')):.3f},
   unary CE {last.get('ce', float('nan')):.3f}, top-1 accuracy {last.get('acc', float('nan')):.3f}; mean over the last 5 logged steps:

@@ -86,6 +86,9 @@ def main(argv=None) -> None:
     held = load_heldout(data)
     dspine = load_drafter(args.dspine, target)
     dflash = load_drafter(args.dflash, target)
+    if dspine.config.block_size != dflash.config.block_size:
+        raise SystemExit("the DSpine and DFlash drafters must share a block size (τ is measured over the whole block)")
+    block = dspine.config.block_size
     proposers = {
         "dflash": dflash,
         "dspine": dspine,
@@ -102,7 +105,7 @@ def main(argv=None) -> None:
             prompts.append(r["prompt_ids"])
             row_domain.append(domain)
     domains = [d for d in DOMAINS if d in row_domain]
-    results: dict = {"max_new_tokens": args.max_new_tokens, "tau": {}, "speed": {}, "greedy_exact": {},
+    results: dict = {"max_new_tokens": args.max_new_tokens, "block": block, "tau": {}, "speed": {}, "greedy_exact": {},
                      "prompts": {d: row_domain.count(d) for d in domains}, "batch": len(prompts)}
 
     t0 = time.perf_counter()
@@ -111,7 +114,8 @@ def main(argv=None) -> None:
     for temp in temps:
         for name in variants:
             t0 = time.perf_counter()
-            res = speculative_generate(target, proposers[name], prompts, args.max_new_tokens, temperature=temp, seed=0)
+            res = speculative_generate(target, proposers[name], prompts, args.max_new_tokens, temperature=temp, seed=0,
+                                       verify=block)  # τ of the whole block (auto would mix in plain steps)
             tau = results["tau"][f"{name}@T{temp:g}"] = tau_per_domain(res, row_domain, domains)
             if temp == 0:
                 results["greedy_exact"][name] = res.token_ids == ar.token_ids
@@ -122,7 +126,8 @@ def main(argv=None) -> None:
         ar = generate(target, prompts, max_new_tokens=args.max_new_tokens)
         speed = {"ar": ar.decode_tokens_per_second}
         for name in ("dflash", "dspine"):
-            speed[name] = speculative_generate(target, proposers[name], prompts, args.max_new_tokens).decode_tokens_per_second
+            speed[name] = speculative_generate(
+                target, proposers[name], prompts, args.max_new_tokens, verify=block).decode_tokens_per_second
         results["speed"]["all (batch %d)" % len(prompts)] = speed
         print({k: round(v, 1) for k, v in speed.items()}, flush=True)
     if args.outside:
@@ -135,7 +140,7 @@ def main(argv=None) -> None:
         o_domain = [d for d in domains for _ in outside[d]]
         results["outside_prompts"] = {d: [r["source"] for r in outside[d]] for d in domains}
         for name in ("dflash", "dspine"):
-            res = speculative_generate(target, proposers[name], o_prompts, args.max_new_tokens)
+            res = speculative_generate(target, proposers[name], o_prompts, args.max_new_tokens, verify=block)
             results.setdefault("tau_outside", {})[f"{name}@T0"] = tau_per_domain(res, o_domain, domains)
             print("outside", name, results["tau_outside"][f"{name}@T0"], flush=True)
     results["curves"] = {str(run): learning_curve(run) for run in args.curve}
@@ -212,7 +217,7 @@ def write_report(results: dict, out: Path) -> None:
         ax.axhline(1.0, color="k", lw=0.5)
         ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
         ax.set_ylim(0.9, None)
-        ax.set_title("SmolLM2-135M-Instruct, held-out prompts, block 16")
+        ax.set_title(f"SmolLM2-135M-Instruct, held-out prompts, block {results.get('block', 8)}")
         fig.tight_layout()
         fig.savefig(out / "tau.png", dpi=110)
     except ImportError:
