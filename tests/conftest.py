@@ -97,3 +97,16 @@ def qwen3_target(tiny_models):
 
     model_dir, hf_model = tiny_models["qwen3"]
     return load_target(model_dir), hf_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every module's compiled programs when it ends. The suite compiles thousands of XLA:CPU
+    executables in one process (one per verify length, row and capacity bucket, …); each holds memory
+    mappings, and a process that nears the kernel's map limit (vm.max_map_count, 65530 here) crashes
+    inside XLA's compiler instead of raising."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
