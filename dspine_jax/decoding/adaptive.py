@@ -64,17 +64,9 @@ class VerifyPolicy:
     costs: Array  # [L] seconds (any common scale) per round at each length
     schedule: Array  # [SCHEDULE_WIDTH] int32
 
-    @property
-    def max_length(self) -> int:
-        return max(self.lengths)
-
-    @property
-    def adaptive(self) -> bool:
-        return len(self.lengths) > 1
-
 
 def fixed_policy(length: int) -> VerifyPolicy:
-    """Every round verifies ``length`` tokens (the loop compiles no choice at all)."""
+    """Every round verifies ``length`` tokens (the engine's fixed ``--verify N`` and sps table)."""
     return VerifyPolicy(lengths=(length,), costs=jnp.ones((1,), jnp.float32), schedule=pinned_schedule([0]))
 
 
