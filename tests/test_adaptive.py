@@ -80,6 +80,23 @@ def test_choose_probes_after_the_wait_and_pins_override():
         adaptive.make_policy((1, 2), {1: 1.0, 2: 0.0})
 
 
+def test_cost_estimate_refines_the_prior_with_decoded_rounds():
+    estimate = adaptive.CostEstimate({1: 1.0, 2: 1.5, 4: 2.0})
+    assert estimate.current() == {1: 1.0, 2: 1.5, 4: 2.0}
+    w = adaptive.PRIOR_ROUNDS
+    estimate.observe(1, seconds=2.0 * w, rounds=w)  # plain rounds ran at 2 s: twice the measured cost
+    got = estimate.current()
+    assert got[1] == pytest.approx((w * 1.0 + 2.0 * w) / (2 * w))  # 1.5: the prior is worth w rounds
+    # Lengths that did not run follow the ratio seen on those that did (1.5×), keeping their relative costs.
+    assert got[2] == pytest.approx(1.5 * 1.5) and got[4] == pytest.approx(2.0 * 1.5)
+    estimate.observe(4, seconds=1.0 * w, rounds=w)  # T = 4 turned out cheaper than measured
+    got = estimate.current()
+    assert got[4] == pytest.approx((w * 2.0 + 1.0 * w) / (2 * w))
+    assert got[2] == pytest.approx(1.5 * float(np.median([1.5, 0.75])))
+    estimate.observe(8, 1.0, 1)  # not a candidate: ignored
+    assert set(estimate.current()) == {1, 2, 4}
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_models):
     target = load_target(tiny_models["llama"][0])
@@ -133,4 +150,6 @@ def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
     assert second.calibration_seconds > 0  # batch 2: another bucket
     third = speculative_generate(target, drafter, [PROMPT[::-1]], 30, stop_ids=[])
     assert third.calibration_seconds == 0.0  # batch 1 again: read from disk
-    assert len(json.loads((tmp_path / adaptive.COSTS_FILE).read_text())) == 2
+    table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
+    assert len(table) == 2
+    assert table[key] != costs  # decoding refined the cached costs with the rounds it timed

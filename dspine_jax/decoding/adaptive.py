@@ -3,10 +3,13 @@ never paid for when it does not bring tokens.
 
 Two parts, both small:
 
-* **Cost model** (``VerifyCosts``): seconds per round at each candidate ``T`` on this device, ``T = 1``
+* **Cost model**: seconds per round at each candidate ``T`` on this device, ``T = 1``
   being a plain decode step without drafting. ``speculative.measure_verify_costs`` measures it once per
   (device, target, proposer, batch bucket) by running the real loop pinned to each ``T``;
-  ``load_costs`` / ``store_costs`` keep it in ``<cache>/verify_costs.json``.
+  ``load_costs`` / ``store_costs`` keep it in ``<cache>/verify_costs.json``. While decoding,
+  ``CostEstimate`` refines it with the rounds actually run (a short calibration from a fresh prefill
+  measured T = 2…8 ~5–10 % dearer relative to T = 1 than decoding found them, enough to pick T = 1 where
+  T = 4 pays).
 * **Policy** (``choose`` / ``update``, run on the device inside the decode loop): per row, decayed
   counts of how often proposal slot ``i`` was accepted when verification reached it give
   ``a_i = (hits_i + w·a_{i-1}) / (tries_i + w)`` (``a_0 = p0``: an untested slot looks like the one before
@@ -42,8 +45,9 @@ CANDIDATE_LENGTHS = (1, 2, 4, 8, 16)  # verify lengths the policy chooses among 
 SCHEDULE_WIDTH = 16  # the pinned schedule is cyclic over this many rounds (a fixed shape: no recompiles)
 DECAY = 0.8  # per drafted round: the estimates follow the last ~5 rounds
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a prior is worth one observation
-PROBE_LENGTH = 4  # a probe verifies this many tokens (or the longest candidate, if shorter)
+PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round (on CPU T = 4 costs ~1.1× T = 2)
 FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
+PRIOR_ROUNDS = 8  # a measured (or cached) cost counts as this many rounds of decoding at that length
 COSTS_FILE = "verify_costs.json"
 
 
@@ -221,6 +225,32 @@ def store_costs(key: str, costs: Mapping[int, float]) -> None:
     with open(tmp, "w") as f:
         json.dump(table, f, indent=1)
     os.replace(tmp, path)
+
+
+class CostEstimate:
+    """Seconds per round at each length while decoding: the measured (or cached) costs, each worth
+    ``PRIOR_ROUNDS`` rounds, refined by the rounds decoding actually runs (timed on the host, between two
+    of its syncs: what a round really costs, dispatch and the policy's choice included). A length not run
+    yet keeps its prior scaled by the median ratio seen on the lengths that ran: a machine that got busier
+    slows every length alike, so the ratios the policy compares stay the measured ones."""
+
+    def __init__(self, prior: Mapping[int, float]):
+        self.prior = {int(t): float(s) for t, s in prior.items()}
+        self.seconds = dict.fromkeys(self.prior, 0.0)
+        self.rounds = dict.fromkeys(self.prior, 0)
+
+    def observe(self, length: int, seconds: float, rounds: int) -> None:
+        if rounds > 0 and length in self.prior:
+            self.seconds[length] += seconds
+            self.rounds[length] += rounds
+
+    def current(self) -> dict[int, float]:
+        refined = {
+            t: (PRIOR_ROUNDS * p + self.seconds[t]) / (PRIOR_ROUNDS + self.rounds[t]) for t, p in self.prior.items()
+        }
+        ratios = [refined[t] / self.prior[t] for t in self.prior if self.rounds[t]]
+        scale = float(np.median(ratios)) if ratios else 1.0
+        return {t: refined[t] if self.rounds[t] else p * scale for t, p in self.prior.items()}
 
 
 def median_seconds_per_round(seconds: Sequence[float], rounds: Sequence[int]) -> float:

@@ -470,13 +470,16 @@ def segment_impl(
     policy: VerifyPolicy, *, verify_len: int, greedy: bool,
 ) -> tuple[LoopCarry, Array, Array, Array]:
     """``max_rounds`` rounds at ``verify_len``, then the policy's next choice (a candidate index), whether it
-    is a probe, and whether any row still runs: the adaptive loop's unit, driven from the host
+    is a probe, the plain rounds until a probe is due (``T = 1`` changes no estimate, so the choice holds
+    until then) and whether any row still runs: the adaptive loop's unit, driven from the host
     (``speculative_generate``).
     One compiled program per length; choosing on the device inside one loop (``lax.switch`` over rounds)
     measured ~10 % slower on CPU, the caches being copied in and out of the switch."""
     carry = run_segment(target, proposer, carry, stop_ids, max_rounds, verify_len=verify_len, greedy=greedy)
-    choice, probe = adaptive.choose(policy, carry.stats, carry.round.running, carry.round.remaining, carry.iterations)
-    return carry, choice, probe, jnp.any(carry.round.running)
+    running, stats = carry.round.running, carry.stats
+    choice, probe = adaptive.choose(policy, stats, running, carry.round.remaining, carry.iterations)
+    until_probe = jnp.min(jnp.where(running, stats.wait - stats.idle, adaptive.MAX_WAIT))
+    return carry, choice, probe, jnp.maximum(until_probe, 1), jnp.any(running)
 
 
 def loop_impl(
@@ -645,8 +648,10 @@ def adaptive_decode(
     fresh_prefill, sampling_args, stop_array: Array, max_new_tokens: int, out_width: int, greedy: bool,
     verify_costs: Mapping[int, float] | None, verify_schedule: Sequence[int] | None,
 ) -> tuple[LoopCarry, float, float]:
-    """``verify="auto"``: segments of ``DECIDE_EVERY`` rounds (a probe: one; a pinned schedule: one) at the
-    length the policy chose at the end of the previous segment, from the prefilled caches to the end.
+    """``verify="auto"``: segments of ``DECIDE_EVERY`` rounds (a probe: one; plain rounds: until a probe is
+    due; a pinned schedule: one) at the length the policy chose at the end of the previous segment, from
+    the prefilled caches to the end. Measured or cached costs are refined by the segments' host timings
+    (``adaptive.CostEstimate``) and written back to the cache.
     ``sampling_args``: key, temperature, top-p, top-k. Returns the final carry, the decode seconds and the
     seconds spent measuring the cost model (0 when given or cached). Every program is compiled (on
     ``clock``) before anything is timed."""
@@ -659,7 +664,7 @@ def adaptive_decode(
     for t in candidates:  # one program per length
         clock.compile(loop_segment, target, proposer, carry, stop_array, jnp.int32(every), unit, verify_len=t,
                       greedy=greedy)  # fmt: skip
-    costs, calibration = verify_costs, 0.0
+    costs, calibration, key = verify_costs, 0.0, None
     if costs is None:
         key = adaptive.costs_key(target, proposer_tag(proposer), carry.counts.shape[0], candidates)
         costs = adaptive.load_costs(key)
@@ -676,17 +681,26 @@ def adaptive_decode(
             )  # fmt: skip
             calibration = time.perf_counter() - begin
             adaptive.store_costs(key, costs)
+    estimate = adaptive.CostEstimate(costs)
     policy = adaptive.make_policy(candidates, costs, verify_schedule)
     begin = time.perf_counter()
     choice, probe = adaptive.choose(policy, carry.stats, carry.round.running, carry.round.remaining, carry.iterations)
-    alive = bool(jnp.any(carry.round.running))
+    alive, until_probe = bool(jnp.any(carry.round.running)), every
     while alive:  # host-driven: a few rounds (a probe: one) at the chosen length, then the next choice
-        rounds = jnp.int32(1 if bool(probe) else every)
-        carry, choice, probe, alive = loop_segment(
-            target, proposer, carry, stop_array, rounds, policy, verify_len=candidates[int(choice)], greedy=greedy
+        t = candidates[int(choice)]
+        rounds = 1 if bool(probe) else until_probe if t == 1 and verify_schedule is None else every
+        segment_begin = time.perf_counter()
+        carry, choice, probe, until_probe, alive = loop_segment(
+            target, proposer, carry, stop_array, jnp.int32(rounds), policy, verify_len=t, greedy=greedy
         )
-        alive = bool(alive)
+        alive, until_probe = bool(alive), int(until_probe)
+        if alive and key is not None:  # measured costs (not given ones, in any unit) are refined by the
+            # rounds decoding runs; all `rounds` ran (only the last segment may stop early)
+            estimate.observe(t, time.perf_counter() - segment_begin, rounds)
+            policy = policy.replace(costs=jnp.asarray([estimate.current()[c] for c in candidates], jnp.float32))
     carry = jax.block_until_ready(carry)
+    if key is not None:  # the cache keeps what decoding measured, for the next run
+        adaptive.store_costs(key, estimate.current())
     return carry, start_seconds + time.perf_counter() - begin, calibration
 
 

@@ -332,6 +332,7 @@ class EngineCore:
         self.stats = jax.device_get(adaptive.init_state(num_slots, self.max_verify))  # per slot, host copy
         self.costs: dict[int, dict[int, float]] = dict(verify_costs or {})  # row bucket → {T: seconds}
         self._cost_samples: dict[int, dict[int, list[float]]] = {}  # row bucket → T → seconds per round
+        self._estimates: dict[int, adaptive.CostEstimate] = {}  # measured costs, refined by the steps served
         self._next_length: tuple[int, bool] | None = None  # the policy's choice for the next step, a probe?
         self._forced_length: int | None = None  # warmup compiles every length
         if max_rounds < 1:
@@ -555,6 +556,8 @@ class EngineCore:
             (emitted, n_keep, hit_stop, done, key_next, stats, choice, probe))
         if calibrating and int(done):
             self._record_cost(r, t, (time.perf_counter() - start) / int(done))
+        elif chosen and r in self._estimates:
+            self._estimates[r].observe(t, time.perf_counter() - start, int(done))
         self._next_length = (policy.lengths[int(choice)], bool(probe)) if chosen else None
         self.stats = jax.tree.map(lambda a, b: _set_rows(a, b), self.stats, stats)
         self.key_data[:r] = np.asarray(key_next, np.uint32)
@@ -596,6 +599,9 @@ class EngineCore:
             costs = adaptive.load_costs(self._costs_key(rows))
             if costs is not None:
                 self.costs[rows] = costs
+                self._estimates[rows] = adaptive.CostEstimate(costs)
+        if rows in self._estimates:
+            costs = self._estimates[rows].current()
         if costs is not None:
             return adaptive.make_policy(self.candidates, costs), None
         samples = self._cost_samples.setdefault(rows, {t: [] for t in self.candidates})
@@ -614,6 +620,7 @@ class EngineCore:
         if all(len(v) > COST_SAMPLES for v in samples.values()):
             costs = {t: float(np.median(v[1:])) for t, v in samples.items()}
             self.costs[rows] = costs
+            self._estimates[rows] = adaptive.CostEstimate(costs)
             adaptive.store_costs(self._costs_key(rows), costs)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:

@@ -1,0 +1,92 @@
+"""Where adaptive verification loses time against plain AR decoding, measured side by side (interleaved
+repeats, medians) on held-out prompts: our AR decode; the speculative loop held at T = 1 (a plain step
+inside the speculative round: taps, drafter context append, bookkeeping); and --verify auto with a
+drafter that never proposes anything accepted (probes only). Usage:
+
+    python experiments/adaptive/overhead.py [--domain code] [--tokens 64] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dspine_jax.bench import load_heldout_prompts, select_prompts
+from dspine_jax.decoding import adaptive
+from dspine_jax.decoding import speculative as spec
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models.target import load_target
+from dspine_jax.train.data import encode_messages
+from dspine_jax.models.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def plain_rounds(target, proposer, prompt: list[int], n: int) -> float:
+    """Decode seconds of ``n`` T = 1 rounds of the speculative loop (one segment, prefill excluded)."""
+    rows, capacity, tokens, lengths, stops = spec.plan_request(target, [prompt], n, 0.0, 1.0, 0, [])
+    t_max = max(adaptive.candidate_lengths(spec.proposer_block(proposer)))
+    key = jax.random.key(0)
+    cache, state, first = spec.prefill(target, proposer, tokens, lengths, key, jnp.float32(1.0), jnp.float32(1.0),
+                                       capacity=capacity + t_max, top_k=0, greedy=True)
+    stop = jnp.full((spec.STOP_BUCKET,), -1, jnp.int32)
+    carry = spec.start_loop(cache, state, first, key, jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0), stop,
+                            jnp.int32(n), out_width=spec.round_up(n, spec.TOKEN_BUCKET), max_verify=t_max)
+    policy = adaptive.fixed_policy(1)
+    carry = jax.block_until_ready(carry)
+    begin = time.perf_counter()
+    out = spec.loop_segment(target, proposer, carry, stop, jnp.int32(n), policy, verify_len=1, greedy=True)
+    jax.block_until_ready(out)
+    return time.perf_counter() - begin
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default=str(ROOT / "checkpoints/smollm2-135m-dspine-b8"))
+    ap.add_argument("--domain", default="code")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    target = load_target(args.model)
+    tok = load_tokenizer(args.model)
+    held = load_heldout_prompts(args.model, ROOT / "experiments/data/smollm2-v2")
+    prompts = [p.ids for p in select_prompts({args.domain: held[args.domain]}, args.prompts,
+                                             lambda m: encode_messages(tok, m))]
+    trained = spec.as_proposer(load_draft(args.draft, target))
+    untrained = spec.as_proposer(load_draft("init:dspine", target))  # as bench's ours+init:dspine
+    n = args.tokens
+    systems = {
+        "ar": lambda p: generate(target, [p], n, stop_ids=[]).decode_seconds,
+        "T=1 loop (trained drafter state)": lambda p: plain_rounds(target, trained, p, n),
+        "auto, init:dspine": lambda p: speculative_generate_seconds(target, untrained, p, n),
+        "auto, trained drafter": lambda p: speculative_generate_seconds(target, trained, p, n),
+    }
+    for f in systems.values():  # compile (and measure the verify costs) before timing
+        f(prompts[0])
+    times: dict[str, list[float]] = {k: [] for k in systems}
+    for _ in range(args.repeats):
+        for p in prompts:
+            for name, f in systems.items():
+                times[name].append(f(p))
+    ar = statistics.median(times["ar"])
+    print(f"{jax.devices()[0].device_kind}, {args.domain}, {n} tokens, {len(prompts)} prompts × {args.repeats}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:36s} median {med * 1e3:8.1f} ms  {n / med:6.1f} tok/s  {ar / med:5.3f}× AR")
+
+
+def speculative_generate_seconds(target, proposer, prompt, n) -> float:
+    r = spec.speculative_generate(target, proposer, [prompt], n, stop_ids=[])
+    return r.decode_seconds
+
+
+if __name__ == "__main__":
+    main()
