@@ -5,7 +5,10 @@ Both layouts are a Qwen3 ``config.json`` (``hidden_size``, ``num_attention_heads
 * DFlash (z-lab ``dflash``): top-level ``block_size``, ``num_target_layers`` and
   ``dflash_config {mask_token_id, target_layer_ids}``;
 * DSpine (SpecForge): the same plus ``is_causal: true`` and ``dspine_config {transfer_rank,
-  message_size, top_k, …training knobs…}``.
+  message_size, top_k, …training knobs…}``;
+* DFlash2 (z-lab ``DFlash2DraftModel``): DFlash plus ``conv_kernel_size``, ``conv_group_size``,
+  ``selector_rank`` and ``selector_top_k``, each read like z-lab's ``_draft_value``: from
+  ``dflash_config`` first, else the top level.
 
 In-block causality follows the reference implementations (z-lab ``Qwen3DFlashAttention`` and
 SpecForge ``resolve_dflash_is_causal``): an explicit ``is_causal`` applies to every layer; when unset,
@@ -25,8 +28,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Drafter kinds by name (``DrafterConfig.kind``): the classes in drafter.py (DFlash) and dspine.py (DSpine),
-# and any registered from outside. Kept here, below every module that runs drafters, so parsing a
+# Drafter kinds by name (``DrafterConfig.kind``): the classes in drafter.py (DFlash), dspine.py (DSpine) and
+# dflash2.py (DFlash2), and any registered from outside. Kept here, below every module that runs drafters, so parsing a
 # config.json can ask the kind for its own fields.
 _KINDS: dict[str, Any] = {}
 
@@ -101,11 +104,14 @@ class DrafterConfig:
     num_target_layers: int
     layer_windows: tuple[int, ...]  # per drafter layer: 0 = unwindowed, w > 0 = query-key distance < w
     layer_causal: tuple[bool, ...]  # per drafter layer: causal inside the block?
-    # Decode head: C candidates per slot. DSpine: dspine_config.top_k. DFlash: the whole vocabulary
+    # Decode head: C candidates per slot. DSpine: dspine_config.top_k. DFlash2: selector_top_k. DFlash: the whole vocabulary
     # (the draft distribution is then the plain softmax over V, as in z-lab's sampler).
     top_k: int
     transfer_rank: int = 0  # R (DSpine only)
     message_size: int = 0  # M (DSpine only)
+    conv_kernel_size: int = 0  # K of the grouped dynamic causal convolutions (DFlash2 only)
+    conv_group_size: int = 0  # channels per dynamic-kernel group: H / conv_group_size groups (DFlash2 only)
+    selector_rank: int = 0  # R of the candidate selector's codebooks (DFlash2 only; C = top_k)
     # z-lab options (default no-ops): block embedding scale, logit multiplier and tanh soft-cap.
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0

@@ -3,7 +3,9 @@
 A drafter *kind* is a registered class (``drafter_config.register_drafter_kind``) named by
 ``config.kind``; ``drafter.kind`` is its instance and the functions below dispatch to it. ``DFlash``
 here is the base; ``DSpine(DFlash)`` (``dspine.py``) adds the injection, last-write refinement and the
-transition walk. A kind overrides ``after_layer`` (what runs after each backbone layer), the decode head
+transition walk; ``DFlash2(DFlash)`` (``dflash2.py``) wraps each sublayer in dynamic causal convolutions
+and walks a candidate selector. A kind overrides ``around_sublayer`` (how a layer runs its attention and
+MLP), ``after_layer`` (what runs after each backbone layer), the decode head
 (``candidates`` → scores, ``select`` → proposals) and, for weights of its own, the checkpoint hooks.
 Training runs the same ``forward_blocks`` over many anchored blocks with its own attention
 (``train/model.py``).
@@ -44,6 +46,9 @@ cache, and drafts a whole block in one forward::
   ``[B, P, C, C]`` and a left-to-right ``lax.scan`` over table look-ups; at temperature > 0 slot i samples
   from ``softmax(T[i, k_prev, :] / temperature)`` (top-p / top-k sampling filters do not apply: the walk
   is already restricted to the C candidates, like z-lab's DFlash2 ``propose``).
+* DFlash2 (``dflash2.py``): DFlash's attention, each sublayer wrapped in grouped dynamic causal
+  convolutions along the block (``around_sublayer``), C = ``selector_top_k`` candidates and a selector
+  table ``[B, P, C, C]`` (unary + codebook transition) walked like DSpine's; q as DSpine's.
 
 Draft context cache
 ===================
@@ -197,6 +202,9 @@ class Replacement(NamedTuple):
 Attend = Callable[[int, Array, Array, Array], Array]
 # ``choose(scores [B, C], keys [B]) → (index [B], q [B, C])``: one slot's pick and the distribution it drew from.
 Choose = Callable[[Array, Array], tuple[Array, Array]]
+# ``wrap(sublayer, x [B, T', H], run) → [B, T', H]``: how one layer runs its "attention" or "mlp" sublayer
+# ``run`` on its normed input ``x`` (the kind's ``around_sublayer``, bound to a layer and block length).
+Wrap = Callable[[str, Array, Callable[[Array], Array]], Array]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,19 +315,29 @@ def embed_block(drafter: Drafter, embed: Array, tokens: Array) -> Array:
     return x
 
 
-def backbone_layer(drafter: Drafter, layer: int, x: Array, cos: Array, sin: Array, attend: Attend) -> Array:
+def backbone_layer(
+    drafter: Drafter, layer: int, x: Array, cos: Array, sin: Array, attend: Attend, wrap: Wrap | None = None
+) -> Array:
     """One decoder layer on ``x [B, T', H]`` with RoPE tables ``[B, T', D]`` of the block positions: queries
-    from the block, keys/values from the block and whatever context ``attend`` brings."""
+    from the block, keys/values from the block and whatever context ``attend`` brings. ``wrap`` runs each
+    sublayer on its normed input (default: the sublayer alone)."""
     config = drafter.config
     lp = drafter.params.layers[layer]
     b, t, _ = x.shape
     n, kh, d, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
-    normed = rms_norm(x, lp.input_norm, eps)
-    q = apply_rope(rms_norm((normed @ lp.q).reshape(b, t, n, d), lp.q_norm, eps), cos, sin)
-    k = apply_rope(rms_norm((normed @ lp.k).reshape(b, t, kh, d), lp.k_norm, eps), cos, sin)
-    v = (normed @ lp.v).reshape(b, t, kh, d)
-    x = x + attend(layer, q, k, v).reshape(b, t, n * d) @ lp.o
-    return x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
+
+    def attention(normed: Array) -> Array:
+        q = apply_rope(rms_norm((normed @ lp.q).reshape(b, t, n, d), lp.q_norm, eps), cos, sin)
+        k = apply_rope(rms_norm((normed @ lp.k).reshape(b, t, kh, d), lp.k_norm, eps), cos, sin)
+        v = (normed @ lp.v).reshape(b, t, kh, d)
+        return attend(layer, q, k, v).reshape(b, t, n * d) @ lp.o
+
+    def mlp(normed: Array) -> Array:
+        return swiglu(normed, lp.gate, lp.up, lp.down)
+
+    wrap = wrap or (lambda sublayer, normed, run: run(normed))
+    x = x + wrap("attention", rms_norm(x, lp.input_norm, eps), attention)
+    return x + wrap("mlp", rms_norm(x, lp.post_norm, eps), mlp)
 
 
 def cache_attention(drafter: Drafter, cache: DraftCache) -> Attend:
@@ -382,16 +400,19 @@ class DFlash:
     """The DFlash kind (z-lab): the backbone, then each slot decoded independently from its own logits.
 
     Kinds are stateless classes registered by name (``config.kind``); ``drafter.kind`` is the instance.
-    A subclass overrides the hooks below — ``after_layer`` (what runs after each backbone layer),
+    A subclass overrides the hooks below — ``around_sublayer`` (how a layer runs its attention / MLP),
+    ``after_layer`` (what runs after each backbone layer),
     ``candidates`` / ``select`` / ``decode`` (the decode head), and the checkpoint hooks
-    (``configure``, ``write_config``, ``load_params``, ``params_tensors``, ``init_config``, ``init_params``)
-    — and registers itself; nothing else in the package names a kind.
+    (``configure``, ``write_config``, ``load_params``, ``params_tensors``, ``init_config``, ``init_params``;
+    ``init_options`` names the extra ``init_drafter`` arguments ``init_config`` reads) — and registers
+    itself; nothing else in the package names a kind.
     """
 
     name = "dflash"
     architecture = "DFlashDraftModel"  # config.json ``architectures`` entry of this kind's checkpoints
     config_section: str | None = None  # a config.json key whose presence marks this kind's checkpoints
     injects = False  # whether ``after_layer`` changes the stream (``inject=False`` runs the backbone alone)
+    init_options: tuple[str, ...] = ()  # kind-specific keyword arguments ``init_drafter`` accepts
 
     # --- config.json (the fields beyond the Qwen3 backbone and dflash_config) ---
 
@@ -431,6 +452,14 @@ class DFlash:
 
     # --- forward ---
 
+    def around_sublayer(
+        self, drafter: Drafter, layer: int, sublayer: str, x: Array, run: Callable[[Array], Array], *, block: int
+    ) -> Array:
+        """How backbone layer ``layer`` runs its ``sublayer`` ("attention" or "mlp") ``run`` on the normed
+        input ``x [B, A·T, H]`` (``A`` blocks of ``block`` positions, block-major); the result is added to the
+        residual stream. DFlash: the sublayer alone."""
+        return run(x)
+
     def after_layer(self, drafter: Drafter, layer: int, h: Array, anchor: Array, replacement: Replacement | None) -> Array:
         """What runs on ``h [B, A, T, H]`` after backbone layer ``layer`` (``anchor [B, A]``). DFlash: nothing."""
         return h
@@ -460,7 +489,8 @@ class DFlash:
         b, a, t, h = x.shape
         pre, features = x, []
         for layer in range(drafter.config.num_layers):
-            x = backbone_layer(drafter, layer, x.reshape(b, a * t, h), cos, sin, attend).reshape(b, a, t, h)
+            wrap = functools.partial(self.around_sublayer, drafter, layer, block=t)
+            x = backbone_layer(drafter, layer, x.reshape(b, a * t, h), cos, sin, attend, wrap).reshape(b, a, t, h)
             pre = x
             if inject:
                 x = self.after_layer(drafter, layer, x, anchor, replacement)

