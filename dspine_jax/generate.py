@@ -60,7 +60,9 @@ def check_args(parser, args) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dspine_jax.generate", description="Decode one prompt with a target model (and optionally a drafter).")
-    parser.add_argument("--model", required=True, help="HF-format model directory or alias (e.g. smollm2-135m-instruct)")
+    parser.add_argument("--model", required=True,
+                        help="HF-format model directory, alias (smollm2-135m-instruct) or hub repo id "
+                        "ORG/NAME[@REVISION] (fetched into the HF cache; HF_HUB_OFFLINE=1 uses the cache only)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="capped (warning) at what the context holds")
@@ -69,8 +71,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantize", default="none", choices=["none", "int8"],
+                        help="weight-only int8 for the target's matrices, embedding and LM head (--dtype: compute dtype)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
-    parser.add_argument("--draft", help="drafter checkpoint dir (or init:dspine / init:dflash) for speculative decoding")
+    parser.add_argument("--draft", help="drafter checkpoint dir or hub repo id ORG/NAME[@REVISION] "
+                        "(or init:dspine / init:dflash) for speculative decoding")
     parser.add_argument("--verify", help="tokens per verify step (anchor included): 'auto' (default with --draft: "
                         "chosen every round from the measured acceptance and the device's cost per length; 1 = a "
                         "plain decode step) or a fixed length N")
@@ -88,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _log.setLevel(logging.INFO)
 
     try:
-        target = tgt.load_target(args.model, dtype=args.dtype)
+        target = tgt.load_target(args.model, dtype=args.dtype, quantize=args.quantize)
         tok = tokenizer_io.load_tokenizer(args.model)
         prompt = encode_prompt(tok, args.prompt, args.chat)
         max_new_tokens = args.max_new_tokens

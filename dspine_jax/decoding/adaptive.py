@@ -39,7 +39,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax.models import hub
+from dspine_jax.models import hub, quant
 
 CANDIDATE_LENGTHS = (1, 2, 4, 8, 16)  # verify lengths the policy chooses among (capped by the drafter's block)
 SCHEDULE_WIDTH = 16  # the pinned schedule is cyclic over this many rounds (a fixed shape: no recompiles)
@@ -191,8 +191,10 @@ def costs_key(target, proposer_tag: str, batch: int, lengths: Sequence[int]) -> 
     """What a measurement depends on: the device and how many the target spans, the target's shape and dtype,
     the proposer's shape, the batch bucket and the candidate lengths (not the weights' values)."""
     device = jax.devices()[0]
-    spread = len(getattr(target.params.embed.sharding, "device_set", ())) or 1  # devices the target spans
-    identity = json.dumps([str(target.config), str(target.dtype), spread, proposer_tag], sort_keys=True)
+    first = jax.tree.leaves(target.params)[0]
+    spread = len(getattr(getattr(first, "sharding", None), "device_set", ())) or 1  # devices the target spans
+    weights = "int8" if quant.is_quantized(target.params) else str(target.dtype)
+    identity = json.dumps([str(target.config), str(target.dtype), weights, spread, proposer_tag], sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return f"{device.platform}:{device.device_kind}|{digest}|b{batch_bucket(batch)}|T{','.join(map(str, lengths))}"
 

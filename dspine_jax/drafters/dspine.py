@@ -51,6 +51,7 @@ from dspine_jax.drafters.drafter import (
     top_candidates,
     unary_logits,
 )
+from dspine_jax.models import quant
 from dspine_jax.models.layers import rms_norm
 from dspine_jax.models.target import Target
 from dspine_jax.models.weights import CheckpointError, take
@@ -76,7 +77,7 @@ class Injection:
 def head_rows(lm_head: Array, ids: Array) -> Array:
     """Rows of the LM head ``[H, V]`` for token ids: ``[...]`` → ``[..., H]`` (a column gather, so the
     full head is never transposed)."""
-    return jnp.moveaxis(jnp.take(lm_head, ids, axis=1), 0, -1)
+    return jnp.moveaxis(quant.take_columns(lm_head, ids), 0, -1)
 
 
 @register_drafter_kind
@@ -152,7 +153,7 @@ class DSpine(DFlash):
             stored = take(tensors, "transfer_codes", (config.vocab_size, r))
             codes = cast(stored) if ready else None
         if codes is None:  # absent, or SpecForge's never-initialised zeros
-            codes = transfer_codes_from_head(target.params.lm_head, r)[0].astype(backbone.fc.dtype)
+            codes = transfer_codes_from_head(quant.dequantize(target.params.lm_head), r)[0].astype(backbone.fc.dtype)
         return backbone.replace(injection=injection, transfer_codes=codes)
 
     def params_tensors(self, params: DrafterParams, config: DrafterConfig, host: Callable) -> dict[str, Any]:
@@ -173,7 +174,7 @@ class DSpine(DFlash):
         created after ``post_init``); ``writes``, ``predecessor_gate`` and ``bias`` are zero, so a fresh DSpine
         computes exactly a causal DFlash; readouts = the PCA directions of the transfer space."""
         r, m, h, n = config.transfer_rank, config.message_size, config.hidden_size, config.num_layers
-        codes, directions = transfer_codes_from_head(target.params.lm_head, r)
+        codes, directions = transfer_codes_from_head(quant.dequantize(target.params.lm_head), r)
 
         def torch_default(shape: tuple[int, ...]) -> Array:  # kaiming_uniform(a=√5) = U(±1/√fan_in)
             bound = 1.0 / np.sqrt(shape[0])

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax.models import dense, hub, hybrid  # noqa: F401  (importing dense and hybrid registers the built-in families)
+from dspine_jax.models import dense, hub, hybrid, quant  # noqa: F401  (importing dense and hybrid registers the built-in families)
 from dspine_jax.models.config import TargetConfig
 from dspine_jax.models.family import TargetFamily, TargetForward, family_for, load_target_config
 from dspine_jax.models.weights import load_safetensors_dir
@@ -57,12 +57,26 @@ def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     return dtype
 
 
-def load_target(path_or_alias: str | os.PathLike, dtype: str | jnp.dtype = "float32") -> Target:
-    """Load a HF-format checkpoint (directory or alias) of any registered family as a ``Target``."""
+# The families' linear weights ([in, out], applied as ``x @ w``) that ``quantize="int8"`` stores as int8,
+# besides the embedding and the LM head: dense q|k|v, o, gate|up, down; hybrid attention and MLP; GDN.
+QUANTIZED_MATRICES = ("qkv", "o", "gate_up", "down", "q", "k", "v", "gate", "up", "z", "a", "b", "out")
+
+
+def load_target(
+    path_or_alias: str | os.PathLike, dtype: str | jnp.dtype = "float32", quantize: str | None = None
+) -> Target:
+    """Load a HF-format checkpoint (directory, alias or hub repo id ``ORG/NAME[@REVISION]``, see
+    ``hub.resolve_model_dir``) of any registered family as a ``Target``. ``quantize="int8"``: weight-only
+    int8 (``quant.py``) for every matrix, the embedding and the LM head; ``dtype`` is then the compute
+    dtype (activations, scales, norms)."""
     dtype = resolve_dtype(dtype)
+    if quantize not in (None, *quant.QUANTIZE_CHOICES):
+        raise ValueError(f"quantize must be one of {', '.join(quant.QUANTIZE_CHOICES)}, got {quantize!r}")
     model_dir = Path(hub.resolve_model_dir(path_or_alias))
     config = load_target_config(model_dir)
     params = family_for(config.model_type).params_from_hf(load_safetensors_dir(model_dir), config, dtype)
+    if quantize == "int8":
+        params = quant.quantize_params(params, QUANTIZED_MATRICES)
     return Target(params=params, config=config, model_dir=str(model_dir))
 
 
@@ -85,4 +99,4 @@ def replay(target: Target, cache: Any, record: Any, num_tokens: Array) -> Any:
 
 def lm_logits(target: Target, hidden: Array) -> Array:
     """``hidden [..., H]`` → float32 logits ``[..., V]``."""
-    return jnp.matmul(hidden, target.params.lm_head, preferred_element_type=jnp.float32)
+    return quant.matmul_f32(hidden, target.params.lm_head)

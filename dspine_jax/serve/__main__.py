@@ -6,6 +6,7 @@ Examples::
     python -m dspine_jax.serve --no-speculative --port 8001      # plain autoregressive baseline
     python -m dspine_jax.serve --model /path/qwen3 --draft /path/drafter \\
         --reasoning-parser qwen3 --tool-call-parser qwen3_coder
+    python -m dspine_jax.serve --model Qwen/Qwen3-8B --draft tencent/Qwen3-8B-DSpine-b16 --dtype bfloat16
 
 The server listens at once and loads the model and compiles in the background: ``GET /health`` is 503
 ``{"status": "starting"}`` until then (requests get a 503 to retry), 200 ``{"status": "ok"}`` once ready.
@@ -50,9 +51,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dspine_jax.serve", description=__doc__.splitlines()[0],
                                 formatter_class=_HelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF-format model dir or alias")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="HF-format model dir, alias or hub repo id ORG/NAME[@REVISION] (through the HF cache)")
     p.add_argument("--draft", default=None,
-                   help="drafter checkpoint dir, or init:dspine / init:dflash[:BLOCK] (default: the shipped "
+                   help="drafter checkpoint dir or hub repo id, or init:dspine / init:dflash[:BLOCK] (default: the shipped "
                         "SmolLM2 DSpine drafter when serving the default model)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the --model value's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -67,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None,
                    help="tokens per request, prompt + completion (default: min(model positions, 2048))")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and caches")
+    p.add_argument("--quantize", default="none", choices=["none", "int8"],
+                        help="weight-only int8 for the target's matrices, embedding and LM head (--dtype: compute dtype)")
     p.add_argument("--verify", default="auto",
                    help="tokens per verify round (anchor + proposals): 'auto' (default: chosen every round from the "
                         "slots' acceptance and the measured cost per length; 1 = a plain decode step) or a fixed N")
@@ -94,7 +98,7 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
     t0 = time.perf_counter()
     log(f"loading {args.model} ({args.dtype}) on {jax.devices()[0].platform}")
     try:
-        target = tgt.load_target(args.model, dtype=args.dtype)
+        target = tgt.load_target(args.model, dtype=args.dtype, quantize=args.quantize)
         tokenizer = tokenizer_io.load_tokenizer(args.model)
     except (ValueError, FileNotFoundError, OSError) as e:
         raise StartupError(f"could not load model {args.model!r}: {e}") from None
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         mesh = make_mesh(tp=args.tp, dp=args.dp) if (args.tp, args.dp) != (1, 1) else None
         if mesh is not None and args.max_running_requests % args.dp:
             raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of --dp {args.dp}")
+        if mesh is not None and args.quantize != "none":
+            raise ValueError("--quantize int8 runs on one device; drop --tp / --dp")
     except ValueError as e:
         sys.exit(f"error: {e}")
     enable_compilation_cache()
