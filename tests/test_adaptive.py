@@ -83,16 +83,21 @@ def test_choose_probes_after_the_wait_and_pins_override():
 def test_cost_estimate_refines_the_prior_with_decoded_rounds():
     estimate = adaptive.CostEstimate({1: 1.0, 2: 1.5, 4: 2.0})
     assert estimate.current() == {1: 1.0, 2: 1.5, 4: 2.0}
-    w = adaptive.PRIOR_ROUNDS
-    estimate.observe(1, seconds=2.0 * w, rounds=w)  # plain rounds ran at 2 s: twice the measured cost
+    estimate.observe(1, seconds=40.0, rounds=4)  # a program's first run (one-time costs): not counted
+    assert estimate.current() == {1: 1.0, 2: 1.5, 4: 2.0}
+    for _ in range(adaptive.PRIOR_SAMPLES + 1):
+        estimate.observe(1, seconds=8.0, rounds=4)  # plain rounds ran at 2 s: twice the measured cost
     got = estimate.current()
-    assert got[1] == pytest.approx((w * 1.0 + 2.0 * w) / (2 * w))  # 1.5: the prior is worth w rounds
-    # Lengths that did not run follow the ratio seen on those that did (1.5×), keeping their relative costs.
-    assert got[2] == pytest.approx(1.5 * 1.5) and got[4] == pytest.approx(2.0 * 1.5)
-    estimate.observe(4, seconds=1.0 * w, rounds=w)  # T = 4 turned out cheaper than measured
+    assert got[1] == pytest.approx(2.0)  # the samples outnumber the prior's copies: their median
+    # Lengths that did not run follow the ratio seen on those that did (2×), keeping their relative costs.
+    assert got[2] == pytest.approx(3.0) and got[4] == pytest.approx(4.0)
+    estimate.observe(1, seconds=400.0, rounds=4)  # one very slow segment does not move a median
+    assert estimate.current()[1] == pytest.approx(2.0)
+    estimate.observe(4, 1.0, 1)  # first run of T = 4: dropped
+    estimate.observe(4, 1.0, 1)  # T = 4 turned out cheaper than measured: 1 s vs the prior's 2 s
     got = estimate.current()
-    assert got[4] == pytest.approx((w * 2.0 + 1.0 * w) / (2 * w))
-    assert got[2] == pytest.approx(1.5 * float(np.median([1.5, 0.75])))
+    assert got[4] == pytest.approx(2.0)  # median of [2, 2, 2, 1]
+    assert got[2] == pytest.approx(1.5 * float(np.median([2.0, 1.0])))
     estimate.observe(8, 1.0, 1)  # not a candidate: ignored
     assert set(estimate.current()) == {1, 2, 4}
 
@@ -148,7 +153,7 @@ def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
     assert key.endswith("|b1|T1,2,4") and set(costs) == {"1", "2", "4"} and all(v > 0 for v in costs.values())
     second = speculative_generate(target, drafter, [PROMPT, PROMPT[:3]], 24, stop_ids=[])
     assert second.calibration_seconds > 0  # batch 2: another bucket
-    third = speculative_generate(target, drafter, [PROMPT[::-1]], 30, stop_ids=[])
+    third = speculative_generate(target, drafter, [PROMPT[::-1]], 110, stop_ids=[])
     assert third.calibration_seconds == 0.0  # batch 1 again: read from disk
     table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
     assert len(table) == 2

@@ -7,9 +7,8 @@ Two parts, both small:
   being a plain decode step without drafting. ``speculative.measure_verify_costs`` measures it once per
   (device, target, proposer, batch bucket) by running the real loop pinned to each ``T``;
   ``load_costs`` / ``store_costs`` keep it in ``<cache>/verify_costs.json``. While decoding,
-  ``CostEstimate`` refines it with the rounds actually run (a short calibration from a fresh prefill
-  measured T = 2…8 ~5–10 % dearer relative to T = 1 than decoding found them, enough to pick T = 1 where
-  T = 4 pays).
+  ``CostEstimate`` refines it with the rounds actually run (a short calibration is noisy on a shared
+  machine, and the load changes while decoding).
 * **Policy** (``choose`` / ``update``, run on the device inside the decode loop): per row, decayed
   counts of how often proposal slot ``i`` was accepted when verification reached it give
   ``a_i = (hits_i + w·a_{i-1}) / (tries_i + w)`` (``a_0 = p0``: an untested slot looks like the one before
@@ -27,6 +26,7 @@ Letters: B batch, P = T_max - 1 proposal slots, L candidate lengths.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -45,9 +45,9 @@ CANDIDATE_LENGTHS = (1, 2, 4, 8, 16)  # verify lengths the policy chooses among 
 SCHEDULE_WIDTH = 16  # the pinned schedule is cyclic over this many rounds (a fixed shape: no recompiles)
 DECAY = 0.8  # per drafted round: the estimates follow the last ~5 rounds
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a prior is worth one observation
-PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round (on CPU T = 4 costs ~1.1× T = 2)
+PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round
 FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
-PRIOR_ROUNDS = 8  # a measured (or cached) cost counts as this many rounds of decoding at that length
+PRIOR_SAMPLES, RECENT = 3, 32  # a measured (or cached) cost counts as 3 timed segments; the last 32 count
 COSTS_FILE = "verify_costs.json"
 
 
@@ -230,29 +230,34 @@ def store_costs(key: str, costs: Mapping[int, float]) -> None:
 
 
 class CostEstimate:
-    """Seconds per round at each length while decoding: the measured (or cached) costs, each worth
-    ``PRIOR_ROUNDS`` rounds, refined by the rounds decoding actually runs (timed on the host, between two
-    of its syncs: what a round really costs, dispatch and the policy's choice included). A length not run
-    yet keeps its prior scaled by the median ratio seen on the lengths that ran: a machine that got busier
-    slows every length alike, so the ratios the policy compares stay the measured ones."""
+    """Seconds per round at each length while decoding: the measured (or cached) costs refined by the
+    segments decoding actually runs (timed on the host between two of its syncs: what a round really
+    costs, dispatch and the policy's choice included). Each length's estimate is the median of its last
+    ``RECENT`` per-round samples and ``PRIOR_SAMPLES`` copies of its prior — a median, because one slow
+    segment (the machine busy for a moment) must not flip the choice. The first segment of each length is
+    not counted: the first run of a compiled program pays one-time costs (with cached costs nothing ran
+    it before). A length not run yet keeps its prior scaled by the median ratio seen on the lengths that
+    ran: a machine that got busier slows every length alike, so the ratios the policy compares stay the
+    measured ones."""
 
     def __init__(self, prior: Mapping[int, float]):
         self.prior = {int(t): float(s) for t, s in prior.items()}
-        self.seconds = dict.fromkeys(self.prior, 0.0)
-        self.rounds = dict.fromkeys(self.prior, 0)
+        self.samples: dict[int, collections.deque[float]] = {t: collections.deque(maxlen=RECENT) for t in self.prior}
+        self.first_seen: set[int] = set()
 
     def observe(self, length: int, seconds: float, rounds: int) -> None:
-        if rounds > 0 and length in self.prior:
-            self.seconds[length] += seconds
-            self.rounds[length] += rounds
+        if rounds <= 0 or length not in self.prior:
+            return
+        if length not in self.first_seen:
+            self.first_seen.add(length)
+            return
+        self.samples[length].append(seconds / rounds)
 
     def current(self) -> dict[int, float]:
-        refined = {
-            t: (PRIOR_ROUNDS * p + self.seconds[t]) / (PRIOR_ROUNDS + self.rounds[t]) for t, p in self.prior.items()
-        }
-        ratios = [refined[t] / self.prior[t] for t in self.prior if self.rounds[t]]
+        refined = {t: float(np.median([p] * PRIOR_SAMPLES + list(self.samples[t]))) for t, p in self.prior.items()}
+        ratios = [refined[t] / self.prior[t] for t in self.prior if self.samples[t]]
         scale = float(np.median(ratios)) if ratios else 1.0
-        return {t: refined[t] if self.rounds[t] else p * scale for t, p in self.prior.items()}
+        return {t: refined[t] if self.samples[t] else p * scale for t, p in self.prior.items()}
 
 
 def median_seconds_per_round(seconds: Sequence[float], rounds: Sequence[int]) -> float:

@@ -468,7 +468,7 @@ def run_segment(
 def segment_impl(
     target: tgt.Target, proposer: Proposer, carry: LoopCarry, stop_ids: Array, max_rounds: Array,
     policy: VerifyPolicy, *, verify_len: int, greedy: bool,
-) -> tuple[LoopCarry, Array, Array, Array]:
+) -> tuple[LoopCarry, Array, Array, Array, Array]:
     """``max_rounds`` rounds at ``verify_len``, then the policy's next choice (a candidate index), whether it
     is a probe, the plain rounds until a probe is due (``T = 1`` changes no estimate, so the choice holds
     until then) and whether any row still runs: the adaptive loop's unit, driven from the host

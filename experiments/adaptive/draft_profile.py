@@ -1,0 +1,91 @@
+"""Where a drafting round's time goes on this device: each piece of DSpine drafting (block forward, unary
+logits over the vocabulary, top-k, transition table, walk, context append) timed alone, next to the
+target's verify forward at T = 1, 2, 4, 8 (SmolLM2, batch 1, a 200-token context).
+
+    python experiments/adaptive/draft_profile.py [--draft checkpoints/smollm2-135m-dspine-b8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dspine_jax.decoding import speculative as spec
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.drafters import drafter as dr
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models import target as tgt
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def timed(f, *args, repeats: int = 30) -> float:
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default=str(ROOT / "checkpoints/smollm2-135m-dspine-b8"))
+    ap.add_argument("--context", type=int, default=200)
+    args = ap.parse_args()
+    target = tgt.load_target(args.model)
+    drafter = load_draft(args.draft, target)
+    proposer = spec.as_proposer(drafter)
+    n = args.context
+    tokens = jnp.asarray([list(range(100, 100 + n))], jnp.int32)
+    cache, state, first = spec.prefill(target, proposer, tokens, jnp.asarray([n], jnp.int32), jax.random.key(0),
+                                       jnp.float32(1.0), jnp.float32(1.0), capacity=n + 64, top_k=0, greedy=True)
+    anchor = first
+    keys = jax.random.split(jax.random.key(1), 1)
+    sampling = Sampling.rows(1)
+    rows = {}
+
+    @jax.jit
+    def verify(cache, block):
+        fwd = tgt.forward(target, cache, block, proposer.taps)
+        return tgt.lm_logits(target, fwd.hidden).argmax(-1)
+
+    for t in (1, 2, 4, 8):
+        rows[f"target verify T={t} (+ logits, argmax)"] = timed(verify, cache, jnp.zeros((1, t), jnp.int32))
+    p = drafter.config.block_size
+    block = dr.block_tokens(drafter, anchor)
+    fwd_fn = jax.jit(lambda c, b: dr.forward(drafter, target, c, b))
+    rows[f"drafter block forward ({p} positions)"] = timed(fwd_fn, state, block)
+    fwd = fwd_fn(state, block)
+    logits_fn = jax.jit(lambda h: dr.unary_logits(drafter, target, h))
+    rows[f"unary logits [{p - 1}, V]"] = timed(logits_fn, fwd.hidden[:, 1:])
+    logits = logits_fn(fwd.hidden[:, 1:])
+    rows[f"top-{drafter.config.top_k} of V"] = timed(jax.jit(lambda l: dr.top_candidates(l, drafter.config.top_k)), logits)
+    kind = drafter.kind
+    cands = jax.jit(lambda f, a: kind.candidates(drafter, target, f, a))(fwd, anchor)
+    _, cand_ids = dr.top_candidates(logits, drafter.config.top_k)
+    rows["transition table"] = timed(jax.jit(lambda pre, ids, a: kind.transition_table(drafter, target, pre, ids, a)),
+                                     fwd.pre_injection[:, 1:], cand_ids, anchor)
+    rows["walk"] = timed(jax.jit(lambda c, k: kind.select(c, dr.slot_keys(k, c.cand_ids.shape[1]),
+                                                          lambda s, kk: dr.choose(s, kk, sampling.temperature))), cands, keys)
+    for num in (1, 3, 7):
+        rows[f"whole draft, {num} proposals"] = timed(
+            jax.jit(lambda s, a, k: proposer.propose(target, s, a, jnp.ones((1,), jnp.int32), k, sampling, num)),
+            state, anchor, keys)
+    tapped = jnp.zeros((len(proposer.taps), 1, 8, target.config.hidden_size), jnp.float32)
+    rows["context append (8 tokens)"] = timed(jax.jit(lambda s, x: proposer.commit(target, s, x, jnp.asarray([8]))), state, tapped)
+    base = rows["target verify T=1 (+ logits, argmax)"]
+    print(f"{jax.devices()[0].device_kind}; context {n}; ms (median of 30) and × a plain step")
+    for name, ms in rows.items():
+        print(f"{name:44s} {ms:8.2f} ms  {ms / base:5.2f}×")
+
+
+if __name__ == "__main__":
+    main()
