@@ -393,7 +393,8 @@ def _parse_init_draft(text: str) -> tuple[str, int] | None:
     parts = text.split(":")
     block = parts[2] if len(parts) == 3 else "16"
     if len(parts) not in (2, 3) or parts[1] not in drafter_kinds() or not block.isdigit() or int(block) < 2:
-        raise ValueError(f"{text!r}: expected init:dspine, init:dflash or init:KIND:BLOCK (BLOCK >= 2)")
+        kinds = ", ".join(f"init:{k}" for k in drafter_kinds())
+        raise ValueError(f"{text!r}: expected {kinds} or init:KIND:BLOCK (BLOCK >= 2)")
     return parts[1], int(block)
 
 
