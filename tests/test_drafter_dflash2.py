@@ -3,6 +3,7 @@
 acceptance as ``dflash_generate``; every round's proposals are the reference's; the draft distribution q
 at temperature 1 is the one ``propose`` samples from; the convolution alone matches ``dflash``'s; a save →
 load round trip (ours and ``DFlash2DraftModel.from_pretrained``) keeps every tensor; fresh drafters.
+Training's forward (blocks side by side) is checked against inference in test_train.py, as for every kind.
 
 The reference drafter has O(1) random weights (z-lab leaves ``base_kernel`` uninitialised and the default
 N(0, 0.02) init would hide wiring mistakes); the tests check that its convolutions and its selector really
@@ -30,7 +31,6 @@ from dspine_jax.drafters.dflash2 import DFlash2Params, DynamicConv, grouped_caus
 from dspine_jax.drafters.io import init_drafter, load_drafter, save_drafter
 from dspine_jax.models.target import forward as target_forward
 from dspine_jax.models.target import init_cache
-from dspine_jax.train.model import train_forward
 
 torch = require("torch")
 dflash_model = require("dflash.model")
@@ -366,22 +366,3 @@ def test_fresh_dflash2_backbone_is_dflash(zlab, tmp_path):
     assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), reloaded.params, fresh.params))
     with pytest.raises(ValueError, match="conv_kernel_size"):
         init_drafter(target, "dspine", num_layers=1, conv_kernel_size=2)
-
-
-def test_train_forward_runs_the_convolution_per_block(zlab):
-    """Training's forward (many anchored blocks side by side) equals the inference forward of each block:
-    the convolutions stay inside their own block."""
-    target, _, _, drafter, _ = zlab
-    rng = np.random.default_rng(0)
-    s = 20
-    tokens = jnp.asarray(rng.integers(3, VOCAB, (2, s)), jnp.int32)
-    tapped = our_taps(target, np.asarray(tokens))
-    anchors = jnp.array([[3, 9, 15], [0, 7, 16]], jnp.int32)
-    fwd = train_forward(drafter, target.params.embed, tapped, tokens, anchors)
-    for row in range(2):
-        for j in range(3):
-            a = int(anchors[row, j])
-            cache = D.init_draft_cache(drafter, 1, s + BLOCK)
-            cache = D.append_context(drafter, cache, tapped[:, row : row + 1, :a], jnp.array([a]))
-            ref = D.forward(drafter, target, cache, D.block_tokens(drafter, tokens[row : row + 1, a]))
-            np.testing.assert_allclose(np.asarray(fwd.hidden[row, j]), np.asarray(ref.hidden[0]), atol=2e-5, rtol=1e-4)

@@ -402,7 +402,6 @@ def test_generate_cli_rejects_an_uncached_drafter_before_loading(offline_cache: 
 
 def test_server_startup_not_cached_is_one_line(offline_cache: pathlib.Path) -> None:
     """The server's loader turns the same failure into its one-line ``StartupError``."""
-    pytest.importorskip("uvicorn")
     from dspine_jax.serve.__main__ import build_parser, load_engine
     from dspine_jax.serve.scheduler import StartupError
 

@@ -124,7 +124,7 @@ def _drafter(target, kind, top_k=4, **kw):
                         message_size=6 if kind == "dspine" else None, top_k=top_k, block_size=BLOCK, seed=0, **kw)  # fmt: skip
 
 
-@pytest.mark.parametrize("kind,window", [("dspine", None), ("dflash", None), ("dspine", 6)])
+@pytest.mark.parametrize("kind,window", [("dspine", None), ("dflash", None), ("dflash2", None), ("dspine", 6)])
 def test_train_forward_matches_inference_forward(tiny_target, kind, window):
     target = tiny_target
     drafter = _perturbed(_drafter(target, kind, sliding_window=window))

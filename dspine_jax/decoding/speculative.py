@@ -697,7 +697,8 @@ def adaptive_decode(
         if alive and key is not None:  # measured costs (not given ones, in any unit) are refined by the
             # rounds decoding runs; all `rounds` ran (only the last segment may stop early)
             estimate.observe(t, time.perf_counter() - segment_begin, rounds)
-            policy = policy.replace(costs=jnp.asarray([estimate.current()[c] for c in candidates], jnp.float32))
+            refined = estimate.current()
+            policy = policy.replace(costs=jnp.asarray([refined[c] for c in candidates], jnp.float32))
     carry = jax.block_until_ready(carry)
     if key is not None:  # the cache keeps what decoding measured, for the next run
         adaptive.store_costs(key, estimate.current())

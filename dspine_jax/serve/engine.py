@@ -333,6 +333,9 @@ class EngineCore:
         self.costs: dict[int, dict[int, float]] = dict(verify_costs or {})  # row bucket → {T: seconds}
         self._cost_samples: dict[int, dict[int, list[float]]] = {}  # row bucket → T → seconds per round
         self._estimates: dict[int, adaptive.CostEstimate] = {}  # measured costs, refined by the steps served
+        # Steps at a pinned length (warmup, calibration) run under unit costs: the same program as served,
+        # built once rather than per step.
+        self._unit_policy = adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0)) if self.candidates else None
         self._next_length: tuple[int, bool] | None = None  # the policy's choice for the next step, a probe?
         self._forced_length: int | None = None  # warmup compiles every length
         if max_rounds < 1:
@@ -591,7 +594,7 @@ class EngineCore:
         if not self.candidates:
             t = self._forced_length or self.verify_len_for(batch)
             return adaptive.fixed_policy(t), t
-        unit = adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0))  # same program as served
+        unit = self._unit_policy
         if self._forced_length is not None:
             return unit, self._forced_length
         costs = self.costs.get(rows)

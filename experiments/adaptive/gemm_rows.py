@@ -9,22 +9,11 @@ matmul back ends, e.g.::
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-def median_us(f, *args, repeats: int = 30) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+from draft_profile import timed  # the same median timer (this folder is on sys.path when run)
 
 
 def main() -> None:
@@ -35,7 +24,7 @@ def main() -> None:
         w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32))
         for t in (1, 2, 4, 8):
             x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
-            cells.append(f"{name} T={t}: {median_us(matmul, x, w):.0f}")
+            cells.append(f"{name} T={t}: {timed(matmul, x, w) * 1e3:.0f}")
     print(os.environ.get("XLA_FLAGS") or "(default flags)", "|", " | ".join(cells))
 
 
