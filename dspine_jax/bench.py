@@ -248,19 +248,20 @@ def check_drafter(name: str, spec: str) -> None:
 
 def parse_system(name: str, drafters: Mapping[str, str]) -> tuple[str, str | None, int | str]:
     """A system name → (kind, drafter spec, verify). ``hf``, ``hf_prompt_lookup`` and ``ours`` draft nothing;
-    ``ours+dflash`` / ``ours+dspine`` use the report's drafters and ``ours+init:dspine`` a fresh, untrained
-    one; a suffix ``@N`` fixes the verify length, ``@auto`` (the default) lets the policy choose it."""
+    ``ours+dflash`` / ``ours+dspine`` use the report's drafters, ``ours+init:dspine`` a fresh, untrained one and
+    ``ours+DIR`` the drafter checkpoint in directory DIR; a suffix ``@N`` fixes the verify length, ``@auto`` (the
+    default) lets the policy choose it."""
     base, _, verify = name.partition("@")
     if base in ("hf", "hf_prompt_lookup", "ours"):
         if verify:
             raise ValueError(f"system {name!r}: only speculative systems (ours+…) take @verify")
         return base, None, "auto"
     if not base.startswith("ours+"):
-        raise ValueError(f"unknown system {name!r}: use hf, hf_prompt_lookup, ours, ours+dflash, ours+dspine or "
-                         "ours+init:dspine, optionally with @N or @auto")
+        raise ValueError(f"unknown system {name!r}: use hf, hf_prompt_lookup, ours, ours+dflash, ours+dspine, "
+                         "ours+init:dspine or ours+DIR (a drafter checkpoint), optionally with @N or @auto")
     spec = drafters.get(base, base.removeprefix("ours+"))
-    if not spec.startswith("init:") and base not in drafters:
-        raise ValueError(f"unknown drafter in system {name!r}")
+    if not spec.startswith("init:") and base not in drafters and not (Path(spec) / "config.json").is_file():
+        raise ValueError(f"unknown drafter in system {name!r} (not ours+dflash, ours+dspine, ours+init:KIND or a checkpoint directory)")
     return base, spec, parse_verify(verify or "auto")
 
 

@@ -72,7 +72,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quantize", default="none", choices=["none", "int8"],
-                        help="weight-only int8 for the target's matrices, embedding and LM head (--dtype: compute dtype)")
+                        help="weight-only int8 for the target's matrices, embedding and LM head and the drafter's linear weights (--dtype: compute dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="attention K/V caches (the target's and the drafter's context ring): auto = --dtype, "
+                        "int8 = int8 with a float32 scale per head and token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
     parser.add_argument("--draft", help="drafter checkpoint dir or hub repo id ORG/NAME[@REVISION] "
                         "(or init:dspine / init:dflash) for speculative decoding")
@@ -93,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _log.setLevel(logging.INFO)
 
     try:
-        target = tgt.load_target(args.model, dtype=args.dtype, quantize=args.quantize)
+        target = tgt.load_target(args.model, dtype=args.dtype, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype)
         tok = tokenizer_io.load_tokenizer(args.model)
         prompt = encode_prompt(tok, args.prompt, args.chat)
         max_new_tokens = args.max_new_tokens
@@ -105,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_new_tokens = cap
         sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         if args.draft:
-            drafter = drafter_io.load_draft(args.draft, target)
+            drafter = drafter_io.load_draft(args.draft, target, quantize=args.quantize)
             result = speculative.speculative_generate(target, drafter, [prompt], max_new_tokens, **sampling,
                                                       verify=args.verify or "auto", block_size=args.block_size,
                                                       sps_table=args.sps_table)

@@ -94,3 +94,18 @@ def test_report_rejects_bad_input(args, message, capsys):
 def test_missing_heldout_data_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m dspine_jax.train.data"):
         bench.load_heldout_prompts("smollm2-135m-instruct", tmp_path)
+
+
+def test_systems_name_their_drafters(tmp_path):
+    """``ours+dspine`` is the report's drafter, ``ours+init:KIND`` a fresh one, ``ours+DIR`` a checkpoint
+    directory; anything else is refused by name."""
+    drafters = {"ours+dspine": "ckpt/dspine"}
+    assert bench.parse_system("ours+dspine@4", drafters) == ("ours+dspine", "ckpt/dspine", 4)
+    assert bench.parse_system("ours+init:dflash", drafters) == ("ours+init:dflash", "init:dflash", "auto")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    assert bench.parse_system(f"ours+{tmp_path / 'd'}@2", drafters) == (f"ours+{tmp_path / 'd'}", str(tmp_path / "d"), 2)
+    with pytest.raises(ValueError, match="unknown drafter"):
+        bench.parse_system(f"ours+{tmp_path / 'missing'}", drafters)
+    with pytest.raises(ValueError, match="only speculative systems"):
+        bench.parse_system("ours@4", drafters)

@@ -104,3 +104,36 @@ def test_a_quantised_target_is_not_sharded(llama_int8):
 
     with pytest.raises(ValueError, match="one device"):
         shard_target(llama_int8[0], make_mesh(tp=1, dp=1))
+
+
+@pytest.mark.parametrize("kind", ["dspine", "dflash2"])
+def test_quantised_drafter_proposes_like_its_dequantised_twin(llama_int8, kind):
+    """``--quantize int8`` quantises the drafter's linear weights too: they are Int8Weight, its proposals are
+    those of a float drafter holding the dequantised values, and greedy speculative output equals AR."""
+    from drafter_helpers import append, tapped_features
+
+    from dspine_jax.decoding.sampling import Sampling
+    from dspine_jax.drafters import drafter as D
+    from dspine_jax.drafters.io import DRAFTER_MATRICES, load_draft, quantize_drafter
+
+    target, _ = llama_int8
+    drafter = init_drafter(target, kind, num_layers=1, block_size=4, top_k=4, seed=3, initializer_range=0.2)
+    q8 = quantize_drafter(drafter, "int8")
+    assert isinstance(q8.params.fc, quant.Int8Weight)
+    assert all(isinstance(getattr(q8.params.layers[0], name), quant.Int8Weight) for name in DRAFTER_MATRICES[1:])
+    twin = drafter.replace(params=jax.tree.map(
+        lambda x: quant.dequantize(x) if isinstance(x, quant.Int8Weight) else x, q8.params,
+        is_leaf=lambda x: isinstance(x, quant.Int8Weight)))  # fmt: skip
+    tapped = tapped_features(target, [PROMPTS[0]], drafter.config.target_layer_ids)
+    anchor, keys = jnp.array([PROMPTS[0][-1]], jnp.int32), jax.random.split(jax.random.key(0), 1)
+    outs = []
+    for d in (q8, twin):
+        cache = append(d, D.init_draft_cache(d, 1, 32), tapped, jnp.array([len(PROMPTS[0])]))
+        outs.append(D.draft(d, target, cache, anchor, keys, Sampling.rows(1, temperature=1.0)))
+    np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+    np.testing.assert_allclose(np.asarray(outs[0].q), np.asarray(outs[1].q), rtol=1e-4, atol=1e-6)
+    reference = generate(target, PROMPTS, 16, stop_ids=[]).token_ids
+    assert speculative_generate(target, q8, PROMPTS, 16, stop_ids=[], verify=4).token_ids == reference
+    assert isinstance(load_draft("init:dflash:4", target, quantize="int8").params.fc, quant.Int8Weight)
+    with pytest.raises(ValueError, match="quantize must be"):
+        quantize_drafter(drafter, "int4")

@@ -136,20 +136,43 @@ def test_completion_greedy_equals_generate(server):
 
 
 def test_long_prompt_is_chunked_not_compiled(server):
-    """A prompt wider than the widest compiled prefill (64) is prefilled in chunks: greedy output still
-    equals ``generate``'s, and no prefill shape is compiled for it."""
+    """Prompts wider than the widest compiled prefill (64) are prefilled in chunks while two streams decode:
+    every greedy output still equals ``generate``'s, and nothing is compiled for them."""
     from dspine_jax.serve import engine as eng
 
-    client, tok = server["client"], server["tokenizer"]
-    compiled = eng.prefill_chunk._cache_size()
-    for words in (150, 97):
-        prompt = " ".join(f"w{7 + (j * 11) % 120}" for j in range(words))
+    tok, core = server["tokenizer"], server["core"]
+    programs = (eng.prefill_rows, eng.read_rows, eng.write_rows, eng.step)
+    compiled = [f._cache_size() for f in programs]
+    longs = [" ".join(f"w{7 + (j * 11) % 120}" for j in range(words)) for words in (150, 97)]
+    for prompt in longs:
         ids = tok.encode(prompt)
-        core = server["core"]
         assert len(ids) > 64 and len(eng.plan_prefill(len(ids), core.prompt_widths, core.capacity)) > 1
-        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
-        assert out.choices[0].text == reference_text(server, ids, 12)
-    assert eng.prefill_chunk._cache_size() == compiled
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=120)
+        decoding = [asyncio.Event(), asyncio.Event()]
+
+        async def stream(prompt: str, event: asyncio.Event) -> str:
+            parts = []
+            async for chunk in await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=40,
+                                                                temperature=0, stream=True):
+                parts += [c.text for c in chunk.choices]
+                event.set()
+            return "".join(parts)
+
+        streams = [asyncio.create_task(stream(p, e)) for p, e in zip(PROMPTS[9:11], decoding)]
+        await asyncio.gather(*(e.wait() for e in decoding))  # the long prompts arrive while both decode
+        outs = await asyncio.gather(*[
+            aclient.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0) for p in longs
+        ])
+        texts = await asyncio.gather(*streams)
+        await aclient.close()
+        return [o.choices[0].text for o in outs], texts
+
+    long_texts, short_texts = asyncio.run(run())
+    assert long_texts == [reference_text(server, tok.encode(p), 12) for p in longs]
+    assert short_texts == [reference_text(server, tok.encode(p), 40) for p in PROMPTS[9:11]]
+    assert [f._cache_size() for f in programs] == compiled
 
 
 def test_chat_and_streaming_match(server):
@@ -342,15 +365,15 @@ def test_queue_full_429(server):
 
 def test_failure_in_one_request_fails_only_it(server, monkeypatch):
     core = server["core"]
-    real_add = core.add
+    real_admit = core.admit
     poison = server["tokenizer"].encode("w99 w98 w97")
 
-    def add(slot, prompt, *a, **kw):
+    def admit(slot, prompt, *a, **kw):
         if list(prompt) == poison:
             raise RuntimeError("boom")
-        return real_add(slot, prompt, *a, **kw)
+        return real_admit(slot, prompt, *a, **kw)
 
-    monkeypatch.setattr(core, "add", add)
+    monkeypatch.setattr(core, "admit", admit)
 
     async def run():
         aclient = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -397,11 +420,11 @@ def test_engine_step_failure_fails_in_flight_only(server, monkeypatch):
     real_step = core.step
     calls = {"n": 0}
 
-    def step():
+    def step(rounds=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fell over")
-        return real_step()
+        return real_step(rounds)
 
     monkeypatch.setattr(core, "step", step)
     with pytest.raises(openai.InternalServerError):

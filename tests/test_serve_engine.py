@@ -25,31 +25,51 @@ PROMPTS = [[1, 5, 9, 3], [1, 7, 8, 9, 10, 11, 12], [1, 20], [1, 3, 3, 3, 3, 4], 
 BUDGETS = [20, 9, 1, 20, 9, 20]
 
 
-def run_engine(core: EngineCore, prompts, budgets, params=None, on_admit=None):
-    """Drive the core like the server does: admit into free slots between steps, free finished slots.
-    ``on_admit(slot, request)`` is called just before a request is prefilled into its slot."""
+def run_engine(core: EngineCore, prompts, budgets, params=None, on_admit=None, arrivals=None, log=None):
+    """Drive the core as the server's scheduler does: each iteration admits the requests that have arrived
+    (request ``r`` at iteration ``arrivals[r]``, default 0, in order) into free slots, runs one prefill call,
+    then one step (one round while prompts are being prefilled); finished slots are freed.
+    ``on_admit(slot, request)`` is called just before a request is admitted. ``log`` gets one entry per
+    iteration: (slots still being prefilled, slots that got tokens from the step)."""
+    arrivals = arrivals or [0] * len(prompts)
     outs, pending, slot_req, reasons, taus = {}, list(range(len(prompts))), {}, {}, []
+    iteration = 0
     while pending or slot_req:
-        while pending and core.free_slot() is not None:
+        while pending and arrivals[pending[0]] <= iteration and core.free_slot() is not None:
             r = pending.pop(0)
             slot = core.free_slot()
             if on_admit:
                 on_admit(slot, r)
-            first, reason = core.add(slot, prompts[r], budgets[r], (params or {}).get(r, SlotParams()))
-            outs[r] = [first]
+            core.admit(slot, prompts[r], budgets[r], (params or {}).get(r, SlotParams()))
+            slot_req[slot] = r
+        for slot, (first, reason) in core.prefill().items():
+            outs[slot_req[slot]] = [first]
             if reason:
-                reasons[r] = reason
+                reasons[slot_req.pop(slot)] = reason
                 core.release(slot)
-            else:
-                slot_req[slot] = r
-        result = core.step()
+        result = core.step(rounds=1 if core.num_prefilling() else None)
         taus += result.accepted
         for slot, tokens in result.tokens.items():
             outs[slot_req[slot]] += tokens
         for slot, reason in result.finished.items():
             reasons[slot_req.pop(slot)] = reason
             core.release(slot)
+        if log is not None:
+            log.append((set(core.prefilling), {s for s, t in result.tokens.items() if t}))
+        iteration += 1
     return [outs[i] for i in range(len(prompts))], [reasons[i] for i in range(len(prompts))], taus
+
+
+def spy_prefill(monkeypatch) -> list[tuple[int, int]]:
+    """The ``(rows, width)`` of every prefill call from now on."""
+    calls, real = [], eng.prefill_rows
+
+    def spy(target, proposer, rows, prows, tokens, *args):
+        calls.append(tuple(tokens.shape))
+        return real(target, proposer, rows, prows, tokens, *args)
+
+    monkeypatch.setattr(eng, "prefill_rows", spy)
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -234,29 +254,82 @@ def test_plan_prefill_covers_every_prompt_with_compiled_widths(context, max_buck
 
 
 def test_long_prompts_are_chunked_and_equal_generate(llama):
-    """Prompts wider than the widest prefill (32) run in chunks of compiled widths: output equals ``generate``
-    and nothing new is compiled after warmup."""
+    """Prompts wider than the widest prefill (32) run in chunks of compiled widths, two prompts per call
+    (``prefill_chunk`` 64); prompts admitted while another request decodes go in chunk by chunk between its
+    steps (the last one also arrives late). Output equals ``generate`` and nothing new is compiled after
+    warmup."""
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
-    core = EngineCore(llama, drafter, num_slots=2, context_length=120, stop_ids=[], max_prompt_bucket=32)
+    core = EngineCore(llama, drafter, num_slots=2, context_length=120, stop_ids=[], max_prompt_bucket=32,
+                      prefill_chunk=64)  # fmt: skip
     core.warmup()
-    compiled = eng.prefill_chunk._cache_size()
+    programs = (eng.prefill_rows, eng.read_rows, eng.write_rows, eng.step)
+    compiled = [f._cache_size() for f in programs]
     prompts = [[1] + [(7 * i + 3) % 120 + 3 for i in range(n)] for n in (100, 33, 64, 70)]
-    ref = generate(llama, prompts, 12, stop_ids=[]).token_ids  # one batch: one compile
-    got, _, _ = run_engine(core, prompts, [12] * len(prompts))
+    budgets = [12, 30, 12, 12]  # the second request decodes while the third and fourth are prefilled
+    ref = [r[:b] for r, b in zip(generate(llama, prompts, 30, stop_ids=[]).token_ids, budgets)]  # one compile
+    log = []
+    got, _, _ = run_engine(core, prompts, budgets, arrivals=[0, 0, 0, 4], log=log)
     assert got == ref
-    assert eng.prefill_chunk._cache_size() == compiled
+    assert [f._cache_size() for f in programs] == compiled
+    interleaved = [prefilling for prefilling, decoded in log if prefilling and decoded - prefilling]
+    assert len(interleaved) >= 4  # iterations that prefilled a chunk and decoded another slot
 
 
 def test_long_prompts_are_chunked_on_a_hybrid_target(tmp_path):
-    """GDN conv windows and recurrent states carry over from one prefill chunk to the next."""
+    """GDN conv windows and recurrent states carry over from one prefill chunk to the next, per row of a
+    batched call (two prompts × 32 tokens); then a prompt extending a finished row (a prefix-cache hit)
+    shares its calls with a fresh one. Output equals ``generate``."""
     from test_hybrid import make_tiny_hybrid
 
     target = load_target(make_tiny_hybrid("qwen3_5_text", tmp_path / "q35", seed=0)[0])
-    prompts = [[1] + [(5 * i + 2) % 100 + 3 for i in range(n)] for n in (75, 40)]
-    ref = generate(target, prompts, 8, stop_ids=[]).token_ids
-    core = EngineCore(target, None, num_slots=2, context_length=96, stop_ids=[], max_prompt_bucket=32)
-    got, _, _ = run_engine(core, prompts, [8, 8])
+    core = EngineCore(target, None, num_slots=2, context_length=120, stop_ids=[], max_prompt_bucket=32,
+                      prefill_chunk=64, prefix_cache_bytes=1 << 30)  # fmt: skip
+    first = [[1] + [(5 * i + 2) % 100 + 3 for i in range(n)] for n in (75, 40)]
+    got, _, _ = run_engine(core, first, [8, 8])
+    extended = first[0] + got[0][:-1] + [7, 8, 9]  # extends the first row whole (its last token was never fed)
+    fresh = [1] + [(3 * i + 1) % 90 + 3 for i in range(50)]
+    again, _, _ = run_engine(core, [extended, fresh], [8, 8])
+    assert got + again == generate(target, first + [extended, fresh], 8, stop_ids=[]).token_ids
+    assert core.prefix_stats().hits == 1
+
+
+def test_plan_batch_fills_the_budget_with_rows_whose_chunk_fits():
+    widths, sizes = [32, 64, 128, 256], [1, 2, 4, 8]
+    # Eight short prompts (40 tokens → width 64): four share a 256-token call, none is a padding row.
+    assert eng.plan_batch([(0, 40)] * 8, widths, 256, 256, sizes) == (64, [0, 1, 2, 3])
+    assert eng.plan_batch([(0, 40)] * 3, widths, 256, 256, sizes) == (64, [0, 1])
+    # A long prompt first: one full chunk of the widest width; a row whose committed tokens leave no room
+    # for the width waits for a later call.
+    assert eng.plan_batch([(0, 900), (10, 5)], widths, 512, 1024, sizes) == (256, [0, 1])
+    assert eng.plan_batch([(0, 40), (200, 40), (10, 900)], widths, 128, 256, sizes) == (64, [0, 2])
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        capacity, budget = int(rng.choice([128, 256, 1024])), int(rng.choice([32, 64, 100, 256, 512]))
+        pending = []
+        for _ in range(int(rng.integers(1, 9))):
+            n = int(rng.integers(1, capacity - 31))
+            done = min(int(rng.integers(0, n // 32 + 1)) * 32, n - 1)
+            pending.append((done, n - done))
+        width, picked = eng.plan_batch(pending, widths, budget, capacity, sizes)
+        assert width in widths and width <= budget and picked[0] == 0 and len(picked) in sizes
+        assert len(picked) * width <= budget and all(pending[i][0] + width <= capacity for i in picked)
+        assert picked == sorted(set(picked))
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_requests_arriving_together_prefill_in_one_call(llama, monkeypatch, prefix_cache):
+    """Four requests arriving at once prefill in one call (4 rows × 32 tokens = the 128-token budget); the
+    ones admitted later join requests mid-decode. With the prefix cache on, later prompts start from
+    finished rows (the shared first token) and share calls with fresh ones. Output equals ``generate``."""
+    ref, _ = reference(llama, [])
+    calls = spy_prefill(monkeypatch)
+    core = EngineCore(llama, None, num_slots=4, context_length=64, stop_ids=[], prefill_chunk=128,
+                      prefix_cache_bytes=(1 << 30) * prefix_cache)  # fmt: skip
+    got, _, _ = run_engine(core, PROMPTS, BUDGETS)
     assert got == ref
+    assert calls[0] == (4, 32)
+    if prefix_cache:
+        assert core.prefix_stats().hits >= 2
 
 
 @pytest.mark.parametrize("kind", ["dspine", "dflash"])
@@ -273,8 +346,8 @@ def test_cache_capacity_follows_the_longest_request(llama, kind):
     seen = []
     step = core.step
 
-    def spy():
-        out = step()
+    def spy(rounds=None):
+        out = step(rounds)
         seen.append(core.cache_capacity)
         return out
 

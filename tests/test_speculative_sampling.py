@@ -16,8 +16,9 @@ fresh seed with probability ≤ 5e-4. A token drawn where plain sampling has pro
   distribution of the first 4 generated tokens on a vocab-6 target (1296 cells) with verify length 4, so
   tokens 2–4 come from one round's 3 proposals (kept, or the residual at the first rejection, or the
   bonus): a DSpine drafter with random non-zero injection weights (its q at slot i depends on the token
-  chosen at slot i-1 through the LWR table; top-4 candidates, residual over candidates) and a DFlash
-  drafter with temperature 0.8, top-k 5, top-p 0.9 (its q built with the same filters).
+  chosen at slot i-1 through the LWR table; top-4 candidates, residual over candidates), a DFlash
+  drafter with temperature 0.8, top-k 5, top-p 0.9 (its q built with the same filters), and a DFlash
+  drafter with a draft vocabulary of 4 of the 6 tokens (q zero on the other two).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dspine_jax.decoding.speculative import (
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.drafter import DraftOutput
 from dspine_jax.drafters.dspine import SPINE
-from dspine_jax.drafters.io import init_drafter
+from dspine_jax.drafters.io import init_drafter, with_draft_vocab
 from dspine_jax.models import target as tgt
 from dspine_jax.models.target import load_target
 
@@ -166,6 +167,9 @@ def sample_first_tokens(target, proposer, temperature: float, top_p: float, top_
 
 
 def make_drafter(target, kind: str):
+    if kind == "dflash+vocab":  # a draft vocabulary of 4 of the 6 tokens: q is zero on the other two
+        drafter = init_drafter(target, "dflash", num_layers=1, block_size=4, top_k=4, seed=5, initializer_range=0.2)
+        return with_draft_vocab(drafter, target, [0, 2, 3, 5])
     drafter = init_drafter(target, kind, num_layers=1, block_size=4, top_k=4, seed=5, initializer_range=0.2)
     if kind == "dspine":
         # Writes ×4: the injection is strong enough that q reported from the wrong predecessor's table row
@@ -185,7 +189,8 @@ def make_drafter(target, kind: str):
 @pytest.mark.parametrize(
     "kind,temperature,top_p,top_k,verify_len",
     # The last case switches verify lengths every round (2, 1, 4, 2, …): losslessness may not depend on them.
-    [("dspine", 1.0, 0.9, 0, 4), ("dflash", 0.8, 0.9, 5, 4), ("dspine", 1.0, 0.9, 0, (2, 1, 4, 2))],
+    [("dspine", 1.0, 0.9, 0, 4), ("dflash", 0.8, 0.9, 5, 4), ("dspine", 1.0, 0.9, 0, (2, 1, 4, 2)),
+     ("dflash+vocab", 1.0, 1.0, 0, 4)],
 )
 def test_speculative_sampling_joint_distribution(small_vocab_target, kind, temperature, top_p, top_k, verify_len):
     target = small_vocab_target

@@ -21,6 +21,7 @@ from dspine_jax.train.loop import (
     Dataset,
     TrainConfig,
     eval_loss,
+    join_params,
     loss_decay_gamma,
     objective,
     sample_anchors,
@@ -116,7 +117,7 @@ def _perturbed(drafter, seed=1, scale=0.05):
     leaves, tree = jax.tree.flatten(trainable)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return drafter.replace(params=jax.tree.unflatten(tree, leaves).replace(transfer_codes=codes))
+    return drafter.replace(params=join_params(jax.tree.unflatten(tree, leaves), codes))
 
 
 def _drafter(target, kind, top_k=4, **kw):
@@ -305,7 +306,7 @@ def _features(target, drafter, tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dspine", "dflash"])
+@pytest.mark.parametrize("kind", ["dspine", "dflash", "dflash2"])
 def test_tiny_training_lowers_loss(tiny_target, tiny_dataset, tmp_path, kind):
     target = tiny_target
     drafter = _drafter(target, kind)
@@ -325,6 +326,13 @@ def test_tiny_training_lowers_loss(tiny_target, tiny_dataset, tmp_path, kind):
         saved = json.loads((tmp_path / "export" / "config.json").read_text())["dspine_config"]
         assert saved["alignment_warmup_steps"] == trained.config.dspine_settings["alignment_warmup_steps"] == 10
         assert [h["beta"] for h in history[:12]] == pytest.approx([0.5 * min(k / 10, 1.0) for k in range(12)])
+    if kind == "dflash2":
+        # The selector trains (its own loss term falls, every selector tensor moves), not only the backbone's CE.
+        _, m_before = eval_loss(drafter.config, cfg, *split_params(drafter), target.params.embed, target.params.lm_head, full)
+        assert float(m["selector"]) < 0.7 * float(m_before["selector"]), (float(m_before["selector"]), float(m["selector"]))
+        for name in ("predecessor", "successor", "hidden"):
+            moved = jnp.abs(getattr(trained.params.selector, name) - getattr(drafter.params.selector, name)).max()
+            assert float(moved) > 1e-3, name
 
 
 @pytest.mark.slow

@@ -188,12 +188,15 @@ def batch_bucket(batch: int) -> int:
 
 
 def costs_key(target, proposer_tag: str, batch: int, lengths: Sequence[int]) -> str:
-    """What a measurement depends on: the device and how many the target spans, the target's shape and dtype,
-    the proposer's shape, the batch bucket and the candidate lengths (not the weights' values)."""
+    """What a measurement depends on: the device and how many the target spans, the target's shape and dtypes
+    (weights, KV cache), the proposer's shape, the batch bucket and the candidate lengths (not the weights'
+    values)."""
     device = jax.devices()[0]
     first = jax.tree.leaves(target.params)[0]
     spread = len(getattr(getattr(first, "sharding", None), "device_set", ())) or 1  # devices the target spans
     weights = "int8" if quant.is_quantized(target.params) else str(target.dtype)
+    if target.kv_cache_dtype != "auto":  # (absent for the default, so keys measured before stay valid)
+        weights += f"|kv:{target.kv_cache_dtype}"
     identity = json.dumps([str(target.config), str(target.dtype), weights, spread, proposer_tag], sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return f"{device.platform}:{device.device_kind}|{digest}|b{batch_bucket(batch)}|T{','.join(map(str, lengths))}"

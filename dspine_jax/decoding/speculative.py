@@ -115,7 +115,8 @@ class DrafterProposer:
         return self.drafter.config.target_layer_ids
 
     def init(self, target: tgt.Target, batch: int, capacity: int):
-        return init_draft_cache(self.drafter, batch, capacity)
+        # The ring stores its K/V like the target's cache (``--kv-cache-dtype`` sets both).
+        return init_draft_cache(self.drafter, batch, capacity, target.kv_cache_dtype)
 
     def prefill(self, target: tgt.Target, state, tapped: Array, lengths: Array):
         return append_context(self.drafter, state, tapped, lengths)

@@ -112,6 +112,9 @@ class DrafterConfig:
     conv_kernel_size: int = 0  # K of the grouped dynamic causal convolutions (DFlash2 only)
     conv_group_size: int = 0  # channels per dynamic-kernel group: H / conv_group_size groups (DFlash2 only)
     selector_rank: int = 0  # R of the candidate selector's codebooks (DFlash2 only; C = top_k)
+    # Draft vocabulary (EAGLE-3's reduced head; any kind): the drafter proposes only these Vd target tokens
+    # (the ``d2t`` tensor names them), so its unary logits cost Vd/V of the target head. 0: the whole vocabulary.
+    draft_vocab_size: int = 0
     # z-lab options (default no-ops): block embedding scale, logit multiplier and tanh soft-cap.
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
@@ -263,7 +266,15 @@ def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
         final_logit_softcapping=float(softcap or 0.0),
         raw_json=json.dumps(cfg, sort_keys=True),
     )
-    return DrafterConfig(**kind.configure(cfg, fields))
+    fields = kind.configure(cfg, fields)
+    draft_vocab = int(cfg.get("draft_vocab_size") or 0)
+    if draft_vocab == vocab:
+        draft_vocab = 0  # EAGLE-3 configs name the full size when nothing is left out
+    if not 0 <= draft_vocab <= vocab or (draft_vocab and fields["top_k"] < vocab and fields["top_k"] > draft_vocab):
+        raise DrafterConfigError(
+            f"draft_vocab_size={draft_vocab} must be in [top_k={fields['top_k']}, vocab_size={vocab}] (0: the whole vocabulary)"
+        )
+    return DrafterConfig(**fields, draft_vocab_size=draft_vocab)
 
 
 def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:
@@ -290,6 +301,10 @@ def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:
         block_size=config.block_size,
         num_target_layers=config.num_target_layers,
     )
+    if config.draft_vocab_size:
+        cfg["draft_vocab_size"] = config.draft_vocab_size
+    else:
+        cfg.pop("draft_vocab_size", None)
     cfg.pop("rope_theta", None)  # rope_parameters is the transformers>=5 spelling; keep one source of truth
     dflash_cfg = dict(cfg.get("dflash_config") or {})
     dflash_cfg.update(mask_token_id=config.mask_token_id, target_layer_ids=list(config.target_layer_ids))

@@ -51,6 +51,7 @@ from dspine_jax.drafters.drafter import (
     slot_keys,
     top_candidates,
     unary_logits,
+    vocab_ids,
 )
 from dspine_jax.drafters.dspine import DSpine
 from dspine_jax.models.target import Target
@@ -266,23 +267,31 @@ class DFlash2(DFlash):
 
     # --- decode head ---
 
-    def transition_table(self, drafter: Drafter, hidden: Array, unary: Array, cand_ids: Array, anchor: Array) -> Array:
-        """``T[b, i, k, j] = unary[b, i, j] + ⟨pred[prev_{i,k}] ⊙ proj(h_i), succ[cand_{i,j}]⟩`` for every
-        predecessor candidate k: hidden ``[B, P, H]`` (final-normed, slots 1..P), unary and cand_ids
-        ``[B, P, C]``, anchor ``[B]`` → float32 ``[B, P, C, C]``. Slot 1's predecessors are all the anchor
-        (its C rows are identical); slot i ≥ 2's are the C candidates of slot i-1."""
+    def selector_scores(self, drafter: Drafter, hidden: Array, unary: Array, cand_ids: Array, predecessors: Array) -> Array:
+        """``unary_j + ⟨pred[prev_k] ⊙ proj(h), succ[cand_j]⟩`` for every predecessor k and candidate j:
+        hidden ``[..., H]`` (final-normed), unary and cand_ids ``[..., C]``, predecessors ``[..., K]`` →
+        float32 ``[..., K, C]``. The decode table (K = the previous slot's candidates) and the training
+        loss (K = 1, the true predecessor) both score through here."""
         sel = drafter.params.selector
+        query = hidden @ sel.hidden  # [..., R]
+        weighted = sel.predecessor[predecessors] * query[..., None, :]  # [..., K, R] (z-lab's product order)
+        pair = jnp.einsum("...kr,...jr->...kj", weighted, sel.successor[cand_ids], preferred_element_type=jnp.float32)
+        return unary[..., None, :].astype(jnp.float32) + pair
+
+    def transition_table(self, drafter: Drafter, hidden: Array, unary: Array, cand_ids: Array, anchor: Array) -> Array:
+        """``T[b, i, k, j]`` = ``selector_scores`` of candidate j given predecessor candidate k: hidden
+        ``[B, P, H]`` (final-normed, slots 1..P), unary and cand_ids ``[B, P, C]``, anchor ``[B]`` → float32
+        ``[B, P, C, C]``. Slot 1's predecessors are all the anchor (its C rows are identical); slot i ≥ 2's
+        are the C candidates of slot i-1."""
         b, _, c = cand_ids.shape
         predecessors = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, c)), cand_ids[:, :-1]], axis=1)
-        query = hidden @ sel.hidden  # [B, P, R]
-        weighted = sel.predecessor[predecessors] * query[:, :, None, :]  # [B, P, C, R] (z-lab's product order)
-        pair = jnp.einsum("bpkr,bpjr->bpkj", weighted, sel.successor[cand_ids], preferred_element_type=jnp.float32)
-        return unary[:, :, None, :].astype(jnp.float32) + pair
+        return self.selector_scores(drafter, hidden, unary, cand_ids, predecessors)
 
     def candidates(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array) -> Candidates:
         """The unary top-``selector_top_k`` per slot and their transition table ``[B, P, C, C]``."""
         hidden = fwd.hidden[:, 1:]  # [B, P, H]
-        unary, cand_ids = top_candidates(unary_logits(drafter, target, hidden), drafter.config.top_k)  # [B, P, C]
+        unary, index = top_candidates(unary_logits(drafter, target, hidden), drafter.config.top_k)  # [B, P, C]
+        cand_ids = vocab_ids(drafter, index)
         table = self.transition_table(drafter, hidden, unary, cand_ids, anchor.astype(jnp.int32))
         return Candidates(cand_ids=cand_ids, scores=table)
 

@@ -49,6 +49,10 @@ cache, and drafts a whole block in one forward::
 * DFlash2 (``dflash2.py``): DFlash's attention, each sublayer wrapped in grouped dynamic causal
   convolutions along the block (``around_sublayer``), C = ``selector_top_k`` candidates and a selector
   table ``[B, P, C, C]`` (unary + codebook transition) walked like DSpine's; q as DSpine's.
+* Any kind may carry a **draft vocabulary** (``config.draft_vocab_size`` = Vd > 0, EAGLE-3's reduced head,
+  ``io.with_draft_vocab``): ``unary_logits`` reads only the target head's columns ``draft_ids [Vd]``, its
+  last axis indexes those ids (``vocab_ids`` maps back), so candidates, proposals and q's support lie in the
+  vocabulary (a DFlash drafter's C is then Vd). Verification is unchanged: output stays exact / lossless.
 
 Draft context cache
 ===================
@@ -61,6 +65,9 @@ layer has a sliding window ``W`` the ring only needs ``W - 1`` slots (the anchor
 ``start-W+1 …``), which is what ``init_draft_cache`` allocates, so an 8192-window drafter costs 8191 slots
 however long the sequence. With unwindowed layers the capacity must cover the whole sequence; if it
 does not, the ring silently acts as a window of ``S`` (keys older than ``S`` are overwritten).
+With ``kv_cache_dtype="int8"`` (the target's, passed by ``DrafterProposer.init``) each layer's ring is a
+``cache.Int8KV`` (int8 + a float32 scale per row, head and slot), quantised in ``append_context`` and
+dequantised per layer just before draft attention (the Pallas kernels read float rings).
 
 Everything here is functional. Parameters are ``[in, out]`` (torch checkpoints are ``[out, in]``;
 drafter_io.py transposes). Letters follow layers.py: B batch, T block, S key slots, H, N/K heads, D,
@@ -79,7 +86,10 @@ from jax import Array
 
 from dspine_jax.decoding.sampling import Sampling, categorical_rows, process_rows, split_rows
 from dspine_jax.drafters.config import DrafterConfig, drafter_kind, register_drafter_kind
-from dspine_jax.models.cache import KV_AXES, LENGTHS_AXES, resize_slots, sharded_zeros
+from dspine_jax.models.cache import (
+    LENGTHS_AXES, Int8KV, dequantize_kv, kv_zeros, quantize_kv, resize_slots, sharded_zeros,
+)
+from dspine_jax.models import quant
 from dspine_jax.models.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.models.target import Target, lm_logits
 from dspine_jax.parallel.mesh import per_device, weight
@@ -123,6 +133,10 @@ class DrafterParams:
     norm: Array  # [H]
     injection: Any = None  # dspine.Injection (DSpine only)
     transfer_codes: Array | None = None  # [V, R] DSpine only; fixed, derived from the target's LM head
+    # Draft vocabulary (config.draft_vocab_size > 0): its target ids [Vd] int32, ascending, and the target LM
+    # head's columns for them [H, Vd] (derived from the target at load, like the codes; never trained or saved).
+    draft_ids: Array | None = None
+    draft_head: Any = None  # Array or quant.Int8Weight, as the target's head
 
 
 @struct.dataclass
@@ -151,8 +165,8 @@ class DraftCache:
     every draft, and a stacked ``[L, …]`` array would be sliced (copied) per layer.
     """
 
-    k: tuple[Array, ...]  # L × [B, K, S, D] after k_norm + RoPE
-    v: tuple[Array, ...]  # L × [B, K, S, D]
+    k: tuple[Array | Int8KV, ...]  # L × [B, K, S, D] after k_norm + RoPE
+    v: tuple[Array | Int8KV, ...]  # L × [B, K, S, D]
     lengths: Array  # [B] int32: context tokens committed so far = position of the next anchor
 
     @property
@@ -218,13 +232,14 @@ def ring_slots(drafter: Drafter, capacity: int) -> int:
     return min(capacity, max(max(windows) - 1, 1)) if all(w > 0 for w in windows) else capacity
 
 
-def init_draft_cache(drafter: Drafter, batch: int, capacity: int) -> DraftCache:
+def init_draft_cache(drafter: Drafter, batch: int, capacity: int, kv_cache_dtype: str = "auto") -> DraftCache:
     """An empty ring for ``batch`` rows. ``capacity`` = the longest sequence (prompt + generated) a row
-    will reach; with every layer windowed the ring is capped at ``max(window) - 1`` slots."""
+    will reach; with every layer windowed the ring is capped at ``max(window) - 1`` slots.
+    ``kv_cache_dtype``: "auto" (the drafter's dtype) or "int8" (``Int8KV`` per layer)."""
     config = drafter.config
     slots = ring_slots(drafter, capacity)
     shape = (batch, config.num_kv_heads, slots, config.head_dim)
-    zeros = tuple(sharded_zeros(shape, drafter.dtype, KV_AXES) for _ in range(config.num_layers))
+    zeros = tuple(kv_zeros(shape, drafter.dtype, kv_cache_dtype) for _ in range(config.num_layers))
     return DraftCache(k=zeros, v=zeros, lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES))
 
 
@@ -286,13 +301,20 @@ def append_context(drafter: Drafter, cache: DraftCache, tapped: Array, num_new: 
     keep = (offset < num_new[:, None]) & (offset >= num_new[:, None] - s)  # [B, T]
     slots = jnp.where(keep, jnp.mod(positions, s), s)  # slot s is out of range → dropped
     rows = jnp.arange(b)[:, None]
+
+    def put(ring: Array | Int8KV, x: Array) -> Array | Int8KV:  # x [B, T, K, D] into slots [B, T] of every head
+        # A scatter along S of the heads-major buffer: in place (no cache-sized copy) for f32 on
+        # XLA:CPU and on accelerators. (XLA:CPU converts a bf16 buffer to f32 around a scatter.)
+        if isinstance(ring, Int8KV):
+            q, scale = quantize_kv(x)  # per row, token and head: [B, T, K, D], [B, T, K, 1]
+            return Int8KV(q=put(ring.q, q), scale=put(ring.scale, scale))
+        return ring.at[rows, :, slots].set(x, mode="drop")
+
     new_k, new_v = [], []
     for layer, (cache_k, cache_v) in enumerate(zip(cache.k, cache.v)):
         k, v = context_kv(drafter, layer, ctx, cos, sin)  # [B, T, K, D]
-        # A scatter along S of the heads-major buffer: in place (no cache-sized copy) for f32 on
-        # XLA:CPU and on accelerators. (XLA:CPU converts a bf16 buffer to f32 around a scatter.)
-        new_k.append(cache_k.at[rows, :, slots].set(k, mode="drop"))
-        new_v.append(cache_v.at[rows, :, slots].set(v, mode="drop"))
+        new_k.append(put(cache_k, k))
+        new_v.append(put(cache_v, v))
     return cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + num_new)
 
 
@@ -354,21 +376,32 @@ def cache_attention(drafter: Drafter, cache: DraftCache) -> Attend:
             functools.partial(_attention_kernel.draft_attention, window=config.layer_windows[layer], causal=config.layer_causal[layer]),
             [heads, ctx, ctx, kv_heads, kv_heads, ("batch",)], heads,
         )  # fmt: skip
-        return attention(q, cache.k[layer], cache.v[layer], k, v, cache.lengths)
+        # An int8 ring is dequantised here, one layer at a time: both attention paths read float rings.
+        ctx_k, ctx_v = dequantize_kv(cache.k[layer], drafter.dtype), dequantize_kv(cache.v[layer], drafter.dtype)
+        return attention(q, ctx_k, ctx_v, k, v, cache.lengths)
 
     return attend
 
 
 def unary_logits(drafter: Drafter, target: Target, hidden: Array) -> Array:
-    """``hidden [..., H]`` → float32 logits ``[..., V]`` with z-lab's optional multiplier / soft-cap."""
+    """``hidden [..., H]`` → float32 logits over the drafter's vocabulary ``[..., V]`` (``[..., Vd]`` with a
+    draft vocabulary: index i is token ``draft_ids[i]``, see ``vocab_ids``) with z-lab's optional multiplier /
+    soft-cap."""
     config = drafter.config
-    logits = lm_logits(target, hidden)
+    head = drafter.params.draft_head
+    logits = lm_logits(target, hidden) if head is None else quant.matmul_f32(hidden, head)
     if config.output_multiplier != 1.0:
         logits = logits * config.output_multiplier
     if config.final_logit_softcapping > 0:
         cap = config.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
     return logits
+
+
+def vocab_ids(drafter: Drafter, index: Array) -> Array:
+    """Indices into ``unary_logits``' last axis → target token ids (the identity without a draft vocabulary)."""
+    ids = drafter.params.draft_ids
+    return index if ids is None else jnp.take(ids, index)
 
 
 def choose(scores: Array, keys: Array, temperature: Array) -> tuple[Array, Array]:
@@ -503,12 +536,13 @@ class DFlash:
 
     def candidates(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array) -> Candidates:
         """Unary logits of slots 1..P over the vocabulary (or their top ``config.top_k``)."""
-        logits = unary_logits(drafter, target, fwd.hidden[:, 1:])  # [B, P, V]
+        logits = unary_logits(drafter, target, fwd.hidden[:, 1:])  # [B, P, V] (or [B, P, Vd])
         b, p, v = logits.shape
         if drafter.config.top_k >= v:
-            return Candidates(cand_ids=jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (b, p, v)), scores=logits)
-        scores, cand_ids = top_candidates(logits, drafter.config.top_k)
-        return Candidates(cand_ids=cand_ids, scores=scores)
+            every = vocab_ids(drafter, jnp.arange(v, dtype=jnp.int32))
+            return Candidates(cand_ids=jnp.broadcast_to(every, (b, p, v)), scores=logits)
+        scores, index = top_candidates(logits, drafter.config.top_k)
+        return Candidates(cand_ids=vocab_ids(drafter, index), scores=scores)
 
     def select(self, cands: Candidates, slot_keys: Array, pick: Choose) -> tuple[Array, Array]:
         """Slots are independent: ``pick`` each from its own scores with its own key (``slot_keys``: one

@@ -50,6 +50,7 @@ from dspine_jax.drafters.drafter import (
     slot_keys,
     top_candidates,
     unary_logits,
+    vocab_ids,
 )
 from dspine_jax.models import quant
 from dspine_jax.models.layers import rms_norm
@@ -277,8 +278,9 @@ class DSpine(DFlash):
 
     def candidates(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array) -> Candidates:
         """The unary top-``config.top_k`` per slot and their transition table ``[B, P, C, C]``."""
-        logits = unary_logits(drafter, target, fwd.hidden[:, 1:])  # [B, P, V]
-        _, cand_ids = top_candidates(logits, drafter.config.top_k)  # [B, P, C], best first
+        logits = unary_logits(drafter, target, fwd.hidden[:, 1:])  # [B, P, V] (or [B, P, Vd])
+        _, index = top_candidates(logits, drafter.config.top_k)  # [B, P, C], best first
+        cand_ids = vocab_ids(drafter, index)
         table = self.transition_table(drafter, target, fwd.pre_injection[:, 1:], cand_ids, anchor)
         return Candidates(cand_ids=cand_ids, scores=table)
 

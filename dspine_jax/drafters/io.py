@@ -19,6 +19,7 @@ been trained against other signs, so ship the codes with trained weights (``save
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -41,7 +42,7 @@ from dspine_jax.drafters.config import (
     load_drafter_config,
 )
 from dspine_jax.drafters.drafter import Drafter, DrafterLayer, DrafterParams
-from dspine_jax.models import hub
+from dspine_jax.models import hub, quant
 from dspine_jax.models.target import Target, resolve_dtype
 from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
 
@@ -133,8 +134,53 @@ def params_from_tensors(
         tensors, config, target, cast,
         DrafterParams(fc=cast(fc), hidden_norm=cast(hidden_norm), layers=tuple(layers), norm=cast(norm)),
     )  # fmt: skip
+    if config.draft_vocab_size:
+        params = attach_draft_vocab(params, draft_ids_from_tensors(tensors, config), target)
     check_consumed(tensors, f"{config.kind} drafter")
     return params
+
+
+def draft_ids_from_tensors(tensors: dict[str, np.ndarray], config: DrafterConfig) -> np.ndarray:
+    """EAGLE-3's draft-vocabulary tensors → target ids ``[Vd]``: ``d2t [Vd]`` offsets (draft index i is target
+    token ``i + d2t[i]``) and, when present, ``t2d [V]`` (bool: the token is in the draft vocabulary), which
+    must agree."""
+    vd, v = config.draft_vocab_size, config.vocab_size
+    ids = np.arange(vd, dtype=np.int64) + take(tensors, "d2t", (vd,)).astype(np.int64)
+    check_draft_ids(ids, v)
+    if "t2d" in tensors:
+        member = take(tensors, "t2d", (v,)).astype(bool)
+        if member.sum() != vd or not member[ids].all():
+            raise CheckpointError("tensors 't2d' and 'd2t' name different draft vocabularies")
+    return ids
+
+
+def check_draft_ids(ids: np.ndarray, vocab: int) -> None:
+    """Draft-vocabulary ids must be distinct target token ids in ascending order."""
+    if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= vocab or (np.diff(ids) <= 0).any():
+        raise CheckpointError(f"a draft vocabulary must be distinct, ascending token ids in [0, {vocab}) (d2t)")
+
+
+def attach_draft_vocab(params: DrafterParams, ids: np.ndarray, target: Target) -> DrafterParams:
+    """``params`` decoding over the draft vocabulary ``ids``: the ids and the target head's columns for them."""
+    ids = jnp.asarray(ids, jnp.int32)
+    return params.replace(draft_ids=ids, draft_head=quant.take_columns(target.params.lm_head, ids))
+
+
+def with_draft_vocab(drafter: Drafter, target: Target, ids: np.ndarray | list[int] | None) -> Drafter:
+    """``drafter`` proposing only the target tokens ``ids`` (any order, duplicates dropped; EAGLE-3's reduced
+    draft vocabulary), or the whole vocabulary for None / every id. The weights do not change: only which
+    columns of the target's head the unary logits read. ``save_drafter`` writes ``d2t`` / ``t2d`` and
+    ``draft_vocab_size``."""
+    c = drafter.config
+    if ids is None or len(np.unique(np.asarray(ids))) == c.vocab_size:
+        config = dataclasses.replace(c, draft_vocab_size=0)
+        return Drafter(params=drafter.params.replace(draft_ids=None, draft_head=None), config=config)
+    ids = np.unique(np.asarray(ids, np.int64))
+    check_draft_ids(ids, c.vocab_size)
+    if c.top_k < c.vocab_size and len(ids) < c.top_k:
+        raise ValueError(f"a draft vocabulary of {len(ids)} tokens is smaller than the drafter's {c.top_k} candidates")
+    config = dataclasses.replace(c, draft_vocab_size=len(ids))
+    return Drafter(params=attach_draft_vocab(drafter.params, ids, target), config=config)
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | jnp.dtype | None = None) -> Drafter:
@@ -166,6 +212,10 @@ def drafter_to_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
         for field, suffix, transpose in _LAYER_SPEC:
             out[f"layers.{i}.{suffix}"] = host(getattr(layer, field), transpose)
     out.update(drafter_kind(c.kind).params_tensors(p, c, host))
+    if p.draft_ids is not None:  # EAGLE-3's spelling: offsets d2t and the membership mask t2d
+        ids = host(p.draft_ids).astype(np.int64)
+        out["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
+        out["t2d"] = np.isin(np.arange(c.vocab_size), ids)
     return out
 
 
@@ -180,6 +230,16 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike) -> None:
     # safetensors directly rather than weights.save_safetensors: the latter's np.ascontiguousarray
     # would turn the 0-d ``transfer_ready`` flag into shape (1,), which torch's load_state_dict rejects.
     save_file(drafter_to_tensors(drafter), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def cast_drafter(drafter: Drafter, dtype: str | jnp.dtype) -> Drafter:
+    """``drafter`` with its floating-point tensors in ``dtype`` (integer ones, e.g. draft-vocabulary ids, kept)."""
+    dtype = resolve_dtype(dtype)
+
+    def cast(x: jax.Array) -> jax.Array:
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return drafter.replace(params=jax.tree.map(cast, drafter.params))
 
 
 def _resolve_dtype(dtype: str | jnp.dtype | None, target: Target) -> jnp.dtype:
@@ -411,12 +471,30 @@ def draft_block_size(spec: str | os.PathLike) -> int:
     return load_drafter_config(hub.resolve_drafter_dir(text)).block_size  # a hub id: fetched (or cached) now
 
 
-def load_draft(spec: str | os.PathLike, target: Target, dtype: str | None = None) -> Drafter:
+def load_draft(spec: str | os.PathLike, target: Target, dtype: str | None = None, quantize: str = "none") -> Drafter:
     """A ``--draft`` CLI value → Drafter: a checkpoint directory or hub repo id (``load_drafter``), or ``init:dspine`` /
     ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
-    seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists."""
+    seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists. ``quantize``
+    as ``quantize_drafter``."""
     text = os.fspath(spec)
     init = _parse_init_draft(text)
     if init is not None:
-        return init_drafter(target, init[0], block_size=init[1], dtype=dtype)
-    return load_drafter(text, target, dtype=dtype)
+        drafter = init_drafter(target, init[0], block_size=init[1], dtype=dtype)
+    else:
+        drafter = load_drafter(text, target, dtype=dtype)
+    return quantize_drafter(drafter, quantize)
+
+
+# The drafter's linear weights ``[in, out]`` (fc and every layer's projections); norms, DSpine's injection and
+# DFlash2's convolutions / selector stay in float (small, and read as vectors or rows).
+DRAFTER_MATRICES = ("fc", "q", "k", "v", "o", "gate", "up", "down")
+
+
+def quantize_drafter(drafter: Drafter, quantize: str = "none") -> Drafter:
+    """``drafter`` with weight-only int8 linear weights (``quant.Int8Weight``, per output channel; ``"none"``:
+    unchanged). Its proposals change only by the rounding; verification keeps the output exact."""
+    if quantize not in quant.QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {quant.QUANTIZE_CHOICES}, got {quantize!r}")
+    if quantize == "none":
+        return drafter
+    return drafter.replace(params=quant.quantize_params(drafter.params, DRAFTER_MATRICES))

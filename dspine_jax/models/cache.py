@@ -11,10 +11,18 @@ the recurrent state. Unlike K/V these are *not* position-indexed: a block forwar
 every token of the block. ``commit(n)`` therefore only keeps the state consistent when ``n`` equals
 the block length (autoregressive decoding); a speculative round that keeps a shorter prefix must
 rewind them with ``hybrid.replay`` (which also commits), see dspine_jax/models/hybrid.py.
+
+``kv_cache_dtype="int8"`` stores each attention layer's K and V as an ``Int8KV``: int8 values and one
+float32 scale per row, head and slot (symmetric absmax over the head dim), quantised when a block is
+written (``write_block``) and read by attention through its scales (``layers.cached_attention``). One
+scale per *token* makes a slot's content independent of which block wrote it, so a verify block and a
+decode step store the same bytes for the same K/V, and rejected slots beyond ``lengths`` are simply
+overwritten, as in float caches. The GDN conv windows and recurrent states stay float32.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import Array
@@ -27,8 +35,60 @@ KV_AXES = ("batch", "kv_heads", None, None)  # [B, K, S, D]
 LENGTHS_AXES = ("batch",)
 
 
-def resize_slots(x: Array, slots: int) -> Array:
+# ``kv_cache_dtype`` values: "auto" (the model's dtype, also spelled "none" or None) or "int8".
+KV_CACHE_DTYPES = ("auto", "int8")
+KV_QMAX = 127  # symmetric: -128 is never used
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | None) -> str:
+    """``None`` / "none" / "auto" → "auto"; "int8" stays; anything else is a ValueError."""
+    value = "auto" if kv_cache_dtype in (None, "none") else kv_cache_dtype
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, none, int8; got {kv_cache_dtype!r}")
+    return value
+
+
+@struct.dataclass
+class Int8KV:
+    """One layer's int8 K or V buffer: ``x ≈ q · scale`` per row, head and slot, within ``scale / 2``.
+
+    Stands in for the float ``[B, K, S, D]`` buffer in a cache's ``k``/``v`` tuples (``shape`` is the
+    buffer's); attention consumes ``q`` and ``scale`` without materialising the float buffer."""
+
+    q: Array  # [B, K, S, D] int8
+    scale: Array  # [B, K, S, 1] float32 (0 in slots never written)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+
+def quantize_kv(x: Array) -> tuple[Array, Array]:
+    """``x [..., D]`` → int8 ``q [..., D]`` and float32 ``scale [..., 1]`` (symmetric absmax over D; an
+    all-zero vector gets scale 1)."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / KV_QMAX, 1.0)
+    return jnp.clip(jnp.round(x32 / scale), -KV_QMAX, KV_QMAX).astype(jnp.int8), scale
+
+
+def dequantize_kv(buf: Int8KV | Array, dtype: jnp.dtype) -> Array:
+    """The float buffer ``q · scale`` in ``dtype`` (a float buffer passes through)."""
+    if isinstance(buf, Int8KV):
+        return (buf.q.astype(jnp.float32) * buf.scale).astype(dtype)
+    return buf
+
+
+def attention_operands(buf: Int8KV | Array) -> tuple[Array, Array | None]:
+    """What ``layers.cached_attention`` takes for one of K / V: values ``[B, K, S, D]`` and their per-slot
+    scales ``[B, K, S, 1]`` (None for a float buffer)."""
+    return (buf.q, buf.scale) if isinstance(buf, Int8KV) else (buf, None)
+
+
+def resize_slots(x: Int8KV | Array, slots: int) -> Int8KV | Array:
     """``x [B, K, S, D]`` with ``slots`` slots along S: zeros appended, or the tail dropped."""
+    if isinstance(x, Int8KV):
+        return Int8KV(q=resize_slots(x.q, slots), scale=resize_slots(x.scale, slots))
     have = x.shape[2]
     if slots <= have:
         return x[:, :, :slots]
@@ -37,6 +97,54 @@ def resize_slots(x: Array, slots: int) -> Array:
 
 def sharded_zeros(shape: tuple[int, ...], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> Array:
     return constrain(jnp.zeros(shape, dtype), axes)
+
+
+def kv_zeros(shape: tuple[int, ...], dtype: jnp.dtype, kv_cache_dtype: str = "auto") -> Int8KV | Array:
+    """An empty ``[B, K, S, D]`` K or V buffer: ``dtype`` zeros, or (``"int8"``) an ``Int8KV`` whose scales
+    are laid out like the values (rows on ``data``, KV heads on ``model``)."""
+    if resolve_kv_cache_dtype(kv_cache_dtype) == "int8":
+        scale_shape = (*shape[:3], 1)
+        return Int8KV(q=sharded_zeros(shape, jnp.int8, KV_AXES), scale=sharded_zeros(scale_shape, jnp.float32, KV_AXES))
+    return sharded_zeros(shape, dtype, KV_AXES)
+
+
+# Up to this many rows, blocks are written row by row with dynamic_update_slice, which XLA does in
+# place; a scatter along the position axis makes XLA:CPU transpose the whole layer cache. Past it,
+# the unrolled row loop would bloat the program, so large batches use one scatter.
+ROW_LOOP_MAX_BATCH = 16
+
+
+def _write_heads_major(cache: Array, block: Array, lengths: Array, scatter_above: int) -> Array:
+    """``block [B, K, T, D]`` into ``cache [B, K, S, D]`` at slots ``lengths[b] + t``."""
+    b, _, t, _ = block.shape
+    block = block.astype(cache.dtype)
+    if b <= scatter_above:
+        for row in range(b):
+            cache = jax.lax.dynamic_update_slice(cache, block[row : row + 1], (row, 0, lengths[row], 0))
+        return cache
+    positions = lengths[:, None] + jnp.arange(t)  # [B, T]
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(cache.shape[1])[None, :, None]
+    return cache.at[rows, heads, positions[:, None, :]].set(block, mode="drop")
+
+
+def write_block(
+    cache: Int8KV | Array, block: Array, lengths: Array, *, scatter_above: int = ROW_LOOP_MAX_BATCH
+) -> Int8KV | Array:
+    """Write ``block [B, T, K, D]`` into ``cache [B, K, S, D]`` at positions ``lengths[b] + t`` (an
+    ``Int8KV`` gets the block quantised per row, head and token).
+
+    Callers keep ``lengths + T <= S`` for every row whose output matters (dynamic_update_slice clamps
+    the start so the block fits; the scatter path, used above ``scatter_above`` rows, drops
+    out-of-range positions).
+    """
+    heads = block.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    if isinstance(cache, Int8KV):
+        q, scale = quantize_kv(heads)
+        return Int8KV(
+            q=_write_heads_major(cache.q, q, lengths, scatter_above),
+            scale=_write_heads_major(cache.scale, scale, lengths, scatter_above),
+        )
+    return _write_heads_major(cache, heads, lengths, scatter_above)
 
 
 class _Rows:
@@ -72,16 +180,18 @@ class _Rows:
 class KVCache(_Rows):
     # One buffer per layer, heads-major: exactly the operands attention consumes, so a decode step
     # neither slices a stacked cache nor transposes it (on XLA:CPU both are full copies).
-    k: tuple[Array, ...]  # L × [B, K, S, D]
-    v: tuple[Array, ...]  # L × [B, K, S, D]
+    k: tuple[Array | Int8KV, ...]  # L × [B, K, S, D]
+    v: tuple[Array | Int8KV, ...]  # L × [B, K, S, D]
     lengths: Array  # [B] int32, committed tokens per row
 
 
-def init_kv_cache(config: TargetConfig, batch: int, capacity: int, dtype: jnp.dtype) -> KVCache:
+def init_kv_cache(
+    config: TargetConfig, batch: int, capacity: int, dtype: jnp.dtype, kv_cache_dtype: str = "auto"
+) -> KVCache:
     shape = (batch, config.num_kv_heads, capacity, config.head_dim)
     return KVCache(
-        k=tuple(sharded_zeros(shape, dtype, KV_AXES) for _ in range(config.num_layers)),
-        v=tuple(sharded_zeros(shape, dtype, KV_AXES) for _ in range(config.num_layers)),
+        k=tuple(kv_zeros(shape, dtype, kv_cache_dtype) for _ in range(config.num_layers)),
+        v=tuple(kv_zeros(shape, dtype, kv_cache_dtype) for _ in range(config.num_layers)),
         lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES),
     )
 
@@ -95,8 +205,8 @@ class HybridCache(_Rows):
     ``Nv`` value heads, ``Dk``/``Dv`` key/value head dims.
     """
 
-    k: tuple[Array, ...]  # La × [B, K, S, D]
-    v: tuple[Array, ...]  # La × [B, K, S, D]
+    k: tuple[Array | Int8KV, ...]  # La × [B, K, S, D]
+    v: tuple[Array | Int8KV, ...]  # La × [B, K, S, D]
     conv: tuple[Array, ...]  # Lg × [B, C, W] float32: the last W conv inputs (pre-conv q|k|v projections)
     state: tuple[Array, ...]  # Lg × [B, Nv, Dk, Dv] float32: recurrent state
     lengths: Array  # [B] int32, committed tokens per row
@@ -105,7 +215,9 @@ class HybridCache(_Rows):
     prefix_truncatable = False  # the GDN state is that of the last committed token only
 
 
-def init_hybrid_cache(config: HybridConfig, batch: int, capacity: int, dtype: jnp.dtype) -> HybridCache:
+def init_hybrid_cache(
+    config: HybridConfig, batch: int, capacity: int, dtype: jnp.dtype, kv_cache_dtype: str = "auto"
+) -> HybridCache:
     if not config.attention_layers:
         raise ValueError("a hybrid target needs at least one full-attention layer (its K/V cache sets the capacity)")
     kv_shape = (batch, config.num_kv_heads, capacity, config.head_dim)
@@ -113,8 +225,8 @@ def init_hybrid_cache(config: HybridConfig, batch: int, capacity: int, dtype: jn
     state_shape = (batch, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
     la, lg = len(config.attention_layers), len(config.gdn_layers)
     return HybridCache(
-        k=tuple(sharded_zeros(kv_shape, dtype, KV_AXES) for _ in range(la)),
-        v=tuple(sharded_zeros(kv_shape, dtype, KV_AXES) for _ in range(la)),
+        k=tuple(kv_zeros(kv_shape, dtype, kv_cache_dtype) for _ in range(la)),
+        v=tuple(kv_zeros(kv_shape, dtype, kv_cache_dtype) for _ in range(la)),
         conv=tuple(sharded_zeros(conv_shape, jnp.float32, ("batch", "heads", None)) for _ in range(lg)),
         state=tuple(sharded_zeros(state_shape, jnp.float32, ("batch", "heads", None, None)) for _ in range(lg)),
         lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES),

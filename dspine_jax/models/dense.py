@@ -17,7 +17,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax.models.cache import KVCache, init_kv_cache
+from dspine_jax.models.cache import KV_CACHE_DTYPES, Int8KV, KVCache, attention_operands, init_kv_cache, write_block
 from dspine_jax.models.config import DENSE_TARGET_TYPES, TargetConfig, dense_config_from_dict
 from dspine_jax.models.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps
 from dspine_jax.models.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin
@@ -126,34 +126,11 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: TargetConfig,
 # Forward
 
 
-# Up to this many rows, blocks are written row by row with dynamic_update_slice, which XLA does in
-# place; a scatter along the position axis makes XLA:CPU transpose the whole layer cache. Past it,
-# the unrolled row loop would bloat the program, so large batches use one scatter.
-ROW_LOOP_MAX_BATCH = 16
-
-
-def write_block(cache: Array, block: Array, lengths: Array) -> Array:
-    """Write ``block [B, T, K, D]`` into ``cache [B, K, S, D]`` at positions ``lengths[b] + t``.
-
-    Callers keep ``lengths + T <= S`` for every row whose output matters (dynamic_update_slice clamps
-    the start so the block fits; the scatter path drops out-of-range positions).
-    """
-    b, t = block.shape[:2]
-    block = block.transpose(0, 2, 1, 3).astype(cache.dtype)  # [B, K, T, D]
-    if b <= ROW_LOOP_MAX_BATCH:
-        for row in range(b):
-            cache = jax.lax.dynamic_update_slice(cache, block[row : row + 1], (row, 0, lengths[row], 0))
-        return cache
-    positions = lengths[:, None] + jnp.arange(t)  # [B, T]
-    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(cache.shape[1])[None, :, None]
-    return cache.at[rows, heads, positions[:, None, :]].set(block, mode="drop")
-
-
 def _attention_layer(
-    lp: DenseLayer, x: Array, cache_k: Array, cache_v: Array, lengths: Array, cos: Array, sin: Array,
+    lp: DenseLayer, x: Array, cache_k: Array | Int8KV, cache_v: Array | Int8KV, lengths: Array, cos: Array, sin: Array,
     config: TargetConfig,
-) -> tuple[Array, Array, Array]:
-    """One layer's attention: x ``[B, T, H]`` (normed), cache_k/v ``[B, K, S, D]``
+) -> tuple[Array, Array | Int8KV, Array | Int8KV]:
+    """One layer's attention: x ``[B, T, H]`` (normed), cache_k/v ``[B, K, S, D]`` (float or ``Int8KV``)
     → out ``[B, T, H]`` and the caches with this block's K/V written (in place inside a loop)."""
     b, t, _ = x.shape
     n, kh, d = config.num_heads, config.num_kv_heads, config.head_dim
@@ -178,7 +155,8 @@ def _attention_layer(
     visible = slots <= positions[:, :, None]  # causal over absolute positions
     if lp.window:
         visible &= slots > positions[:, :, None] - lp.window
-    out = cached_attention(q, cache_k, cache_v, visible).reshape(b, t, n * d) @ lp.o
+    (k_values, k_scale), (v_values, v_scale) = attention_operands(cache_k), attention_operands(cache_v)
+    out = cached_attention(q, k_values, v_values, visible, k_scale, v_scale).reshape(b, t, n * d) @ lp.o
     if lp.o_bias is not None:
         out = out + lp.o_bias
     return out, cache_k, cache_v
@@ -269,5 +247,6 @@ FAMILY = register_family(
         init_cache=init_kv_cache,
         forward=forward,
         replay=replay,
+        kv_cache_dtypes=KV_CACHE_DTYPES,
     )
 )

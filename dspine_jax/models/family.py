@@ -5,7 +5,9 @@ A family is everything the rest of the package needs to run one kind of target:
     parse_config(config_json_dict)                  → a frozen config (a ``TargetConfig`` or a subclass)
     params_from_hf(tensors, config, dtype)          → the params pytree (HF names, torch layout in)
     init_cache(config, batch, capacity, dtype)      → an empty cache pytree: ``lengths [B]`` (committed
-                                                      tokens per row), ``capacity`` and ``commit(n)``
+                                                      tokens per row), ``capacity`` and ``commit(n)``;
+                                                      ``kv_cache_dtype=`` too when the family lists more
+                                                      than "auto" in ``kv_cache_dtypes``
     forward(params, config, cache, tokens, taps)    → ``TargetForward`` (one return shape for all families)
     replay(cache, record, num_tokens)               → the cache keeping only a prefix of the block
 
@@ -47,6 +49,8 @@ class TargetFamily:
     init_cache: Callable[..., Any]  # (config, batch, capacity, dtype) → cache
     forward: Callable[..., TargetForward]  # (params, config, cache, tokens [B, T], taps) → TargetForward
     replay: Callable[..., Any]  # (cache, record, num_tokens [B]) → cache, lengths advanced
+    # ``kv_cache_dtype`` values its ``init_cache`` accepts (as a keyword); "auto" (the model's dtype) always.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
 
 def check_taps(taps: tuple[int, ...], num_layers: int) -> None:

@@ -30,7 +30,9 @@ from flax import struct
 from jax import Array
 
 from dspine_jax.models import gdn
-from dspine_jax.models.cache import HybridCache, init_hybrid_cache
+from dspine_jax.models.cache import (
+    KV_CACHE_DTYPES, HybridCache, Int8KV, attention_operands, init_hybrid_cache, write_block,
+)
 from dspine_jax.models.config import HYBRID_TARGET_TYPES, MOE_HYBRID_TYPES, HybridConfig, hybrid_config_from_dict
 from dspine_jax.models.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps
 from dspine_jax.models.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
@@ -158,15 +160,15 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: HybridConfig,
 def _gated_attention(
     ap: GatedAttentionParams,
     x: Array,
-    cache_k: Array,
-    cache_v: Array,
+    cache_k: Array | Int8KV,
+    cache_v: Array | Int8KV,
     lengths: Array,
     cos: Array,
     sin: Array,
     config: HybridConfig,
-) -> tuple[Array, Array, Array]:
-    """x ``[B, T, H]`` (normed), cache_k/v ``[B, K, S, D]`` → out ``[B, T, H]`` and the caches with
-    this block's K/V written (same write scheme as the dense target's attention)."""
+) -> tuple[Array, Array | Int8KV, Array | Int8KV]:
+    """x ``[B, T, H]`` (normed), cache_k/v ``[B, K, S, D]`` (float or ``Int8KV``) → out ``[B, T, H]`` and
+    the caches with this block's K/V written (same write scheme as the dense target's attention)."""
     b, t, _ = x.shape
     n, kh, d, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
     qg = (x @ ap.q).reshape(b, t, n, 2 * d)  # per head: [q | gate]
@@ -177,13 +179,12 @@ def _gated_attention(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     positions = lengths[:, None] + jnp.arange(t)  # [B, T]
-    # Row by row with dynamic_update_slice (in place; a scatter makes XLA:CPU transpose the cache).
-    for row in range(b):
-        start = (row, 0, lengths[row], 0)
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k[row : row + 1].transpose(0, 2, 1, 3), start)
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v[row : row + 1].transpose(0, 2, 1, 3), start)
+    # Row by row with dynamic_update_slice at any batch (in place; a scatter makes XLA:CPU transpose the cache).
+    cache_k = write_block(cache_k, k, lengths, scatter_above=b)
+    cache_v = write_block(cache_v, v, lengths, scatter_above=b)
     visible = jnp.arange(cache_v.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    out = cached_attention(q, cache_k, cache_v, visible).reshape(b, t, n * d) * jax.nn.sigmoid(gate)
+    (k_values, k_scale), (v_values, v_scale) = attention_operands(cache_k), attention_operands(cache_v)
+    out = cached_attention(q, k_values, v_values, visible, k_scale, v_scale).reshape(b, t, n * d) * jax.nn.sigmoid(gate)
     return out @ ap.o, cache_k, cache_v
 
 
@@ -253,5 +254,6 @@ FAMILY = register_family(
         init_cache=init_hybrid_cache,
         forward=forward,
         replay=replay,
+        kv_cache_dtypes=KV_CACHE_DTYPES,
     )
 )

@@ -57,13 +57,19 @@ def attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
     return cached_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), visible)
 
 
-def cached_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
+def cached_attention(
+    q: Array, k: Array, v: Array, visible: Array, k_scale: Array | None = None, v_scale: Array | None = None
+) -> Array:
     """Grouped-query attention over a cache laid out heads-major.
 
     q ``[B, T, N, D]``, k/v ``[B, K, S, D]``, visible ``[B, T, S]`` bool → ``[B, T, N, D]``.
     Heads-major K/V are what both products consume directly: any other layout makes XLA transpose
     (copy) the whole layer cache at every decode step. Scores and softmax in float32; probabilities
     are cast back to the value dtype before the PV product.
+
+    int8 K/V (``cache.Int8KV``) come with per-slot scales ``k_scale`` / ``v_scale [B, K, S, 1]``: a slot's
+    scale multiplies its score and its probability, which equals attending over ``k · k_scale`` and
+    ``v · v_scale`` without materialising those float buffers; the PV product then runs in ``q``'s dtype.
     """
     b, t, n, d = q.shape
     kv_heads = k.shape[1]
@@ -74,14 +80,21 @@ def cached_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
         qf, kf = qg.astype(jnp.float32).transpose(0, 2, 3, 1, 4), k.astype(jnp.float32)
         scores = jnp.sum(qf[:, :, :, :, None, :] * kf[:, :, None, None, :, :], axis=-1)
     else:
-        scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+        keys = k if k_scale is None else k.astype(qg.dtype)  # int8 → q's dtype (a dot needs one dtype)
+        scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        scores = scores * k_scale[:, :, None, None, :, 0].astype(jnp.float32)  # [B, K, 1, 1, S]
     scores = jnp.where(visible[:, None, None, :, :], scores * (d**-0.5), MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
+    value_dtype = v.dtype
+    if v_scale is not None:
+        probs, value_dtype = probs * v_scale[:, :, None, None, :, 0].astype(jnp.float32), q.dtype
+    probs = probs.astype(value_dtype)
     if t <= SMALL_BLOCK:
         pv = probs.astype(jnp.float32)[..., None] * v.astype(jnp.float32)[:, :, None, None, :, :]
-        out = jnp.sum(pv, axis=-2).astype(v.dtype).transpose(0, 3, 1, 2, 4)
+        out = jnp.sum(pv, axis=-2).astype(value_dtype).transpose(0, 3, 1, 2, 4)
     else:
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, v if v_scale is None else v.astype(value_dtype))
     return out.reshape(b, t, n, d)
 
 

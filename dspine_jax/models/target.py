@@ -25,6 +25,7 @@ from flax import struct
 from jax import Array
 
 from dspine_jax.models import dense, hub, hybrid, quant  # noqa: F401  (importing dense and hybrid registers the built-in families)
+from dspine_jax.models.cache import resolve_kv_cache_dtype
 from dspine_jax.models.config import TargetConfig
 from dspine_jax.models.family import TargetFamily, TargetForward, family_for, load_target_config
 from dspine_jax.models.weights import load_safetensors_dir
@@ -39,6 +40,9 @@ class Target:
     params: Any  # the family's params pytree (``dense.DenseParams``, ``hybrid.HybridParams``, …)
     config: TargetConfig = struct.field(pytree_node=False)  # the family's config (a TargetConfig)
     model_dir: str = struct.field(pytree_node=False, default="")
+    # How ``init_cache`` stores attention K/V — "auto" (the model's dtype) or "int8" (``cache.Int8KV``) — and,
+    # through the proposer, the drafter's context ring. Static: each value compiles its own programs.
+    kv_cache_dtype: str = struct.field(pytree_node=False, default="auto")
 
     @property
     def family(self) -> TargetFamily:
@@ -63,26 +67,48 @@ QUANTIZED_MATRICES = ("qkv", "o", "gate_up", "down", "q", "k", "v", "gate", "up"
 
 
 def load_target(
-    path_or_alias: str | os.PathLike, dtype: str | jnp.dtype = "float32", quantize: str | None = None
+    path_or_alias: str | os.PathLike, dtype: str | jnp.dtype = "float32", quantize: str | None = None,
+    kv_cache_dtype: str | None = "auto",
 ) -> Target:
     """Load a HF-format checkpoint (directory, alias or hub repo id ``ORG/NAME[@REVISION]``, see
     ``hub.resolve_model_dir``) of any registered family as a ``Target``. ``quantize="int8"``: weight-only
     int8 (``quant.py``) for every matrix, the embedding and the LM head; ``dtype`` is then the compute
-    dtype (activations, scales, norms)."""
+    dtype (activations, scales, norms). ``kv_cache_dtype="int8"``: attention K/V caches (and a drafter's
+    context ring) in int8 with a float32 scale per row, head and token (``cache.Int8KV``)."""
     dtype = resolve_dtype(dtype)
     if quantize not in (None, *quant.QUANTIZE_CHOICES):
         raise ValueError(f"quantize must be one of {', '.join(quant.QUANTIZE_CHOICES)}, got {quantize!r}")
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)  # a bad value fails before the weights load
     model_dir = Path(hub.resolve_model_dir(path_or_alias))
     config = load_target_config(model_dir)
-    params = family_for(config.model_type).params_from_hf(load_safetensors_dir(model_dir), config, dtype)
+    family = family_for(config.model_type)
+    _check_kv_cache_dtype(family, kv_cache_dtype)
+    params = family.params_from_hf(load_safetensors_dir(model_dir), config, dtype)
     if quantize == "int8":
         params = quant.quantize_params(params, QUANTIZED_MATRICES)
-    return Target(params=params, config=config, model_dir=str(model_dir))
+    return with_kv_cache_dtype(Target(params=params, config=config, model_dir=str(model_dir)), kv_cache_dtype)
+
+
+def with_kv_cache_dtype(target: Target, kv_cache_dtype: str | None) -> Target:
+    """``target`` whose caches store K/V as ``kv_cache_dtype`` ("auto"/"none"/None or "int8"); the weights
+    are shared. A family that cannot store it is a ValueError here, not at the first cache."""
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
+    _check_kv_cache_dtype(target.family, kv_cache_dtype)
+    return target.replace(kv_cache_dtype=kv_cache_dtype)
+
+
+def _check_kv_cache_dtype(family: TargetFamily, kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in family.kv_cache_dtypes:
+        raise ValueError(f"the {family.name!r} target family has no {kv_cache_dtype} KV cache "
+                         f"(it supports kv_cache_dtype {', '.join(family.kv_cache_dtypes)})")
 
 
 def init_cache(target: Target, batch: int, capacity: int) -> Any:
-    """An empty cache for ``batch`` rows of up to ``capacity`` tokens each."""
-    return target.family.init_cache(target.config, batch, capacity, target.dtype)
+    """An empty cache for ``batch`` rows of up to ``capacity`` tokens each (K/V as ``target.kv_cache_dtype``)."""
+    if target.kv_cache_dtype == "auto":  # the plain call: families without KV options take no keyword
+        return target.family.init_cache(target.config, batch, capacity, target.dtype)
+    _check_kv_cache_dtype(target.family, target.kv_cache_dtype)  # (a ``target.replace`` skips with_kv_cache_dtype)
+    return target.family.init_cache(target.config, batch, capacity, target.dtype, kv_cache_dtype=target.kv_cache_dtype)
 
 
 def forward(target: Target, cache: Any, tokens: Array, taps: tuple[int, ...] = ()) -> TargetForward:

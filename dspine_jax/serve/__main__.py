@@ -31,7 +31,7 @@ from dspine_jax.drafters.io import load_draft
 from dspine_jax.models import target as tgt
 from dspine_jax.models import tokenizer as tokenizer_io
 from dspine_jax.parallel.mesh import make_mesh
-from dspine_jax.serve.engine import EngineCore
+from dspine_jax.serve.engine import DEFAULT_PREFILL_CHUNK, MIN_PROMPT_BUCKET, EngineCore
 from dspine_jax.serve.scheduler import StartupError
 from dspine_jax.serve.server import ServerConfig, build_app
 
@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per request, prompt + completion (default: min(model positions, 2048))")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and caches")
     p.add_argument("--quantize", default="none", choices=["none", "int8"],
-                        help="weight-only int8 for the target's matrices, embedding and LM head (--dtype: compute dtype)")
+                        help="weight-only int8 for the target's matrices, embedding and LM head and the drafter's linear weights (--dtype: compute dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="attention K/V caches (the target's, the drafter's context ring, prefix-cache entries): "
+                        "auto = --dtype, int8 = int8 with a float32 scale per head and token")
     p.add_argument("--verify", default="auto",
                    help="tokens per verify round (anchor + proposals): 'auto' (default: chosen every round from the "
                         "slots' acceptance and the measured cost per length; 1 = a plain decode step) or a fixed N")
@@ -85,9 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split <think> reasoning into reasoning_content (default: none)")
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None,
                    help="parse tool calls from the output (default: none)")
-    p.add_argument("--warmup-prompt-buckets", type=int, default=256,
-                   help="widest prompt bucket: prefill is compiled (in the background, before /health says ok) for "
-                        "widths 32, 64, ... up to this; longer prompts are prefilled in chunks of the widest")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="prompt tokens per prefill call (rows x padded width): a longer prompt is prefilled in chunks "
+                        "between decode steps of the running requests, and prompts waiting together share a call")
+    p.add_argument("--warmup-prompt-buckets", type=int, default=None,
+                   help="widest prefill chunk: prefill is compiled (in the background, before /health says ok) for "
+                        "widths 32, 64, ... up to this (default: --prefill-chunk)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return p
 
@@ -96,9 +102,10 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
     """Weights, tokenizer, drafter → a compiled ``EngineCore`` and the tokenizer (the server's loader, run on
     its engine thread). Failures the user can fix raise ``StartupError`` with a one-line message."""
     t0 = time.perf_counter()
-    log(f"loading {args.model} ({args.dtype}) on {jax.devices()[0].platform}")
+    kv = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
+    log(f"loading {args.model} ({args.dtype}{kv}) on {jax.devices()[0].platform}")
     try:
-        target = tgt.load_target(args.model, dtype=args.dtype, quantize=args.quantize)
+        target = tgt.load_target(args.model, dtype=args.dtype, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype)
         tokenizer = tokenizer_io.load_tokenizer(args.model)
     except (ValueError, FileNotFoundError, OSError) as e:
         raise StartupError(f"could not load model {args.model!r}: {e}") from None
@@ -114,7 +121,7 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
                     "(correct output, but almost no speedup). Pass --draft DIR or --no-speculative.")
         log(f"loading drafter {draft}")
         try:
-            drafter = load_draft(draft, target, dtype=args.dtype)
+            drafter = load_draft(draft, target, dtype=args.dtype, quantize=args.quantize)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise StartupError(f"could not load drafter {draft!r}: {e}") from None
     context = args.context_length or min(target.config.max_position_embeddings, 2048)
@@ -125,6 +132,7 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
         core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
                           verify_len=args.block_size, sps_table=sps, mesh=mesh, verify=args.verify,
                           max_prompt_bucket=args.warmup_prompt_buckets, max_rounds=args.rounds_per_step,
+                          prefill_chunk=args.prefill_chunk,
                           prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     except ValueError as e:
         raise StartupError(str(e)) from None
@@ -148,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --prefix-cache-mb must be >= 0")
     if args.rounds_per_step < 1:
         sys.exit("error: --rounds-per-step must be >= 1")
-    if args.warmup_prompt_buckets < 1:
+    if args.warmup_prompt_buckets is not None and args.warmup_prompt_buckets < 1:
         sys.exit("error: --warmup-prompt-buckets must be >= 1")
+    if args.prefill_chunk < MIN_PROMPT_BUCKET:
+        sys.exit(f"error: --prefill-chunk must be >= {MIN_PROMPT_BUCKET}")
     try:
         verify = parse_verify(args.verify)
         if verify != "auto":

@@ -12,11 +12,15 @@ stop strings; the device only knows cache lengths.
 Jitted pieces (compiled once per shape; ``EngineCore.warmup`` compiles every shape, which the server
 does in the background before it reports ready):
 
-* ``prefill_chunk`` — run one prompt chunk (padded to a power-of-two width, 32 … ``max_prompt_bucket``)
-  on a batch-1 cache of the request's own and commit its length; returns the next token, sampled with
-  the request's parameters. A prompt wider than the largest width is prefilled in several chunks
-  (``plan_prefill``), so no prompt length compiles a new shape. ``write_row`` then puts the row into
-  its slot (every cache leaf is batch-major: a ``dynamic_update_slice`` per leaf, in place).
+* ``prefill_rows`` — one prefill chunk for each of ``P`` prompts at once (``P`` a power of two, no padding
+  rows; chunks padded to one power-of-two width ``W``, 32 … ``max_prompt_bucket``; ``P × W`` at most
+  ``prefill_chunk`` tokens) on a ``P``-row copy of their slots (``read_rows``, fresh rows empty), written
+  back in place (``write_rows``); returns each row's next token, sampled with its request's parameters.
+  A request's slot is its own from admission (``admit``): its prompt goes in chunk by chunk, one
+  ``prefill`` call per engine iteration between decode steps of the running slots (a long prompt does
+  not stall them), and several waiting prompts share a call (``plan_batch``, shortest rest first).
+  ``replay`` keeps each row's real tokens only, so K/V lengths, a hybrid's GDN conv window and recurrent
+  state, and the drafter's ring carry from one chunk to the next. No prompt length compiles a new shape.
 * ``step`` — ``speculative.speculative_round`` for all slots, the same round ``speculative_generate``
   runs inside its while loop (per-row sampling parameters, keys and budgets; the engine's stop ids).
   The device caches hold only the first ``R`` slots, ``R`` a power-of-two bucket covering every
@@ -31,7 +35,7 @@ does in the background before it reports ready):
   compiled by ``warmup``. The cost per length is measured on the first steps of each row bucket (pinned
   lengths, exact like any other) and cached on disk.
 
-This module keeps only slot bookkeeping: admitting a request (prefill), stepping, releasing a slot.
+This module keeps only slot bookkeeping: admitting a request, prefilling, stepping, releasing a slot.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from dspine_jax.decoding.speculative import (
 )
 from dspine_jax.drafters.drafter import Drafter
 from dspine_jax.models import target as tgt
+from dspine_jax.models.cache import ROW_LOOP_MAX_BATCH
 from dspine_jax.parallel.mesh import DATA, use_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
 from dspine_jax.serve.prefix_cache import PrefixCache, PrefixStats
@@ -70,6 +75,7 @@ from dspine_jax.serve.prefix_cache import PrefixCache, PrefixStats
 COST_SAMPLES = 3  # measured steps per verify length (after one dropped) before a row bucket's costs are set
 MIN_PROMPT_BUCKET = 32
 MIN_CAPACITY_BUCKET = 128  # cache capacities the engine moves between: 128, 256, … and the whole context
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill call (``--prefill-chunk``)
 
 
 def _set_row(array: np.ndarray, row: int, value: np.ndarray) -> np.ndarray:
@@ -118,6 +124,22 @@ def plan_prefill(n: int, widths: Sequence[int], capacity: int) -> list[tuple[int
     return plan
 
 
+def plan_batch(
+    pending: Sequence[tuple[int, int]], widths: Sequence[int], budget: int, capacity: int, sizes: Sequence[int]
+) -> tuple[int, list[int]]:
+    """One prefill call for the prompts being prefilled: ``pending`` ``(committed, rest)`` per prompt, first
+    the one to serve first → ``(width, indices into pending)`` of the rows that run.
+
+    The width is the first chunk ``plan_prefill`` gives the first prompt; the others join while a batch size
+    (``sizes``, ascending from 1: no padding rows) times the width stays within ``budget`` tokens, if that
+    width fits behind their committed tokens (a later call takes them otherwise)."""
+    done, rest = pending[0]
+    width = plan_prefill(rest, [w for w in widths if w <= budget], capacity - done)[0][1]
+    fits = [i for i, (done, _) in enumerate(pending) if done + width <= capacity]
+    size = max(s for s in sizes if s <= len(fits) and s * width <= budget)
+    return width, fits[:size]
+
+
 # ----------------------------------------------------------------------------------------------
 # Jitted engine functions
 
@@ -128,32 +150,56 @@ def _own_buffers(tree):
     return jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), tree)
 
 
-@functools.partial(jax.jit, static_argnames=("capacity",))
-def empty_row(target: tgt.Target, proposer: Proposer, *, capacity: int):
-    """Batch-1 caches for a prompt being prefilled (its own buffers, apart from the slots' caches)."""
-    return _own_buffers((tgt.init_cache(target, 1, capacity), proposer.init(target, 1, capacity)))
+@jax.jit
+def read_rows(target: tgt.Target, proposer: Proposer, cache, pstate, slots: Array, fresh: Array):
+    """Rows ``slots [P]`` of the slots' caches as a ``P``-row batch (a copy); rows marked ``fresh [P]`` come
+    out empty instead (their slot still holds the state of the request it served before)."""
+    rows, prows = jax.tree.map(lambda x: jnp.take(x, slots, axis=0), (cache, pstate))
+    p = slots.shape[0]
+    # The drafter's ring is sized from the target's capacity (``ring_slots``), as ``refit`` sizes it.
+    empty = (tgt.init_cache(target, p, cache.capacity), proposer.init(target, p, cache.capacity))
+    pick = lambda x, e: jnp.where(fresh.reshape((p,) + (1,) * (x.ndim - 1)), e.astype(x.dtype), x)  # noqa: E731
+    return jax.tree.map(pick, (rows, prows), empty)
 
 
-@functools.partial(jax.jit, donate_argnames=("row", "prow"))
-def prefill_chunk(
-    target: tgt.Target, proposer: Proposer, row, prow, tokens: Array, length: Array, key_data: Array,
+@functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
+def write_rows(cache, pstate, rows, prows, slots: Array):
+    """The ``P``-row batch ``rows`` / ``prows`` written into rows ``slots [P]`` (distinct) of the slots'
+    caches, in place (every cache leaf is batch-major)."""
+    p = slots.shape[0]
+    if p > ROW_LOOP_MAX_BATCH:  # (an unrolled row loop would bloat the program)
+        put = lambda big, small: big.at[slots].set(small.astype(big.dtype), unique_indices=True)  # noqa: E731
+        return jax.tree.map(put, (cache, pstate), (rows, prows))
+    def put(big: Array, small: Array, i: int) -> Array:  # a dynamic_update_slice per row: in place on XLA:CPU
+        return jax.lax.dynamic_update_slice_in_dim(big, small[i : i + 1].astype(big.dtype), slots[i], axis=0)
+
+    for i in range(p):
+        cache, pstate = jax.tree.map(functools.partial(put, i=i), (cache, pstate), (rows, prows))
+    return cache, pstate
+
+
+@functools.partial(jax.jit, donate_argnames=("rows", "prows"))
+def prefill_rows(
+    target: tgt.Target, proposer: Proposer, rows, prows, tokens: Array, counts: Array, key_data: Array,
     temperature: Array, top_p: Array, top_k: Array,
 ):
-    """Prompt chunk ``tokens [1, W]`` (``length`` real tokens) appended to the batch-1 caches ``row`` /
-    ``prow`` → those caches and the token after the chunk ``[]`` (only the last chunk's is used).
+    """One prefill chunk for each of ``P`` prompts: ``tokens [P, W]`` (row ``p``'s first ``counts[p]`` real)
+    appended to the ``P``-row caches ``rows`` / ``prows`` (from ``read_rows``) → those caches and the token
+    after each row's chunk ``[P]`` (used for the rows whose prompt this chunk ends).
 
-    Compiled once per chunk width and capacity bucket, whatever the slots' row bucket. ``temperature`` etc. are scalars
-    (this request's); temperature 0 = greedy."""
-    lengths = length[None].astype(jnp.int32)
-    hidden, tapped, row, saved = tgt.forward(target, row, tokens, proposer.taps)
-    row = tgt.replay(target, row, saved, lengths)
-    prow = proposer.prefill(target, prow, tapped, lengths)
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [1, 1, H]
-    logits = tgt.lm_logits(target, last)  # [1, 1, V]
-    keys = jax.random.wrap_key_data(key_data)[None]
-    sampled, _ = accept_sampling(keys, logits, None, Sampling.rows(1, temperature, top_p, top_k))
-    first = jnp.where(temperature > 0, sampled[0, 0], jnp.argmax(logits[0, 0]).astype(jnp.int32))
-    return row, prow, first
+    Compiled once per ``(P, W)`` and capacity bucket, whatever the slots' row bucket. ``replay`` keeps each
+    row's ``counts`` tokens: pad tokens stay out of the K/V lengths and of a hybrid's GDN state, so the next
+    chunk continues from the right state. Per-row sampling parameters ``[P]`` (temperature 0 = greedy) and
+    key data ``[P, 2]``."""
+    counts = counts.astype(jnp.int32)
+    hidden, tapped, rows, saved = tgt.forward(target, rows, tokens, proposer.taps)
+    rows = tgt.replay(target, rows, saved, counts)
+    prows = proposer.prefill(target, prows, tapped, counts)
+    last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)  # [P, 1, H]
+    logits = tgt.lm_logits(target, last)  # [P, 1, V]
+    sampled, _ = accept_sampling(jax.random.wrap_key_data(key_data), logits, None, Sampling(temperature, top_p, top_k))
+    first = jnp.where(temperature > 0, sampled[:, 0], jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
+    return rows, prows, first
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
@@ -165,20 +211,6 @@ def start_row(proposer: Proposer, row, prow, keep: Array, *, capacity: int):
     if prow is not None:  # a drafter's context ring (lengths = committed context, like the target's)
         prow = _own_buffers(proposer.with_capacity(prow, capacity)).replace(lengths=lengths)
     return row, prow
-
-
-@jax.jit
-def read_row(cache, pstate, slot: Array):
-    """Row ``slot`` of the slots' caches as batch-1 caches (a copy)."""
-    take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
-    return jax.tree.map(take, cache), jax.tree.map(take, pstate)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
-def write_row(cache, pstate, row, prow, slot: Array):
-    """The batch-1 caches ``row`` / ``prow`` written into row ``slot`` of the slots' caches (in place)."""
-    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)  # noqa: E731
-    return jax.tree.map(put, cache, row), jax.tree.map(put, pstate, prow)
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "capacity"))  # (no donation: the shapes change)
@@ -269,6 +301,21 @@ class SlotParams:
 
 
 @dataclasses.dataclass
+class Prefill:
+    """A request whose prompt is being prefilled into its slot (host side; its committed tokens so far are
+    the slot's ``lengths``)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    params: SlotParams
+    key: np.ndarray  # [2] uint32, key data for sampling the first token
+    loop_key: np.ndarray  # [2] uint32, key data for the decode rounds
+    need: int  # positions its chunks and its first verify block need
+    order: int  # admission order
+    fresh: bool  # the slot still holds its previous request's state: the first chunk starts from empty rows
+
+
+@dataclasses.dataclass
 class StepResult:
     tokens: dict[int, list[int]]  # slot → tokens appended this step
     finished: dict[int, str]  # slot → "stop" (stop id) or "length" (budget)
@@ -283,13 +330,17 @@ class EngineCore:
     def __init__(
         self, target: tgt.Target, drafter: Drafter | None, *, num_slots: int, context_length: int,
         verify_len: int | None = None, sps_table: dict[int, int] | None = None, stop_ids: Sequence[int] | None = None,
-        bucket_rows: bool = True, mesh: Mesh | None = None, max_prompt_bucket: int = 256,
+        bucket_rows: bool = True, mesh: Mesh | None = None, max_prompt_bucket: int | None = None,
         proposer: Proposer | None = None, max_rounds: int = 4, prefix_cache_bytes: int = 0,
         verify: int | str = "auto", verify_costs: dict[int, dict[int, float]] | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ):
         """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/parallel/mesh.py); the
         target and drafter are laid out on it here, and slots are split over ``data``.
-        ``max_prompt_bucket``: the widest prefill chunk; longer prompts are prefilled in chunks.
+        ``prefill_chunk``: the most prompt tokens one prefill call runs (rows × padded width): a longer
+        prompt is prefilled in chunks, one per engine iteration, between decode steps of the running slots;
+        shorter prompts waiting together share a call up to it. ``max_prompt_bucket``: the widest chunk
+        (default: ``prefill_chunk``).
         ``proposer``: drafts in place of ``drafter`` (tests and ceilings plug in an oracle; the verify
         lengths still come from ``drafter``'s block). ``max_rounds``: rounds per engine step (see ``step``).
         ``prefix_cache_bytes``: memory for finished rows that later prompts may start from (0: off;
@@ -341,7 +392,13 @@ class EngineCore:
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
         self.max_rounds = max_rounds
-        self.prompt_widths = prompt_widths(context_length, max_prompt_bucket)
+        if prefill_chunk < MIN_PROMPT_BUCKET:
+            raise ValueError(f"prefill chunk {prefill_chunk} must be >= {MIN_PROMPT_BUCKET} tokens")
+        self.prefill_budget = prefill_chunk
+        self.prompt_widths = prompt_widths(context_length, min(max_prompt_bucket or prefill_chunk, prefill_chunk))
+        # Rows per prefill call: powers of two up to the slots (no padding rows: on a compute-bound device
+        # a padding row costs as much as a real one).
+        self.prefill_sizes = [1 << i for i in range(num_slots.bit_length())]
         self.capacity = cache_capacity(context_length, self.max_verify)
         stops = list(config.eos_token_ids if stop_ids is None else stop_ids)
         stops += [-1] * (-(-max(len(stops), 1) // 8) * 8 - len(stops))
@@ -358,6 +415,8 @@ class EngineCore:
         self.occupied = np.zeros(s, bool)
         self.lengths = np.zeros(s, np.int64)  # committed cache length per slot (host mirror)
         self.history: dict[int, list[int]] = {}  # slot → prompt + emitted tokens
+        self.prefilling: dict[int, Prefill] = {}  # slot → its prompt being prefilled (occupied, not running)
+        self._admitted = 0  # admission counter (prefill order among equally long rests)
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._warming = False
         self._seed_counter = 0
@@ -389,6 +448,7 @@ class EngineCore:
         self.remaining[:] = 0
         self.lengths[:] = 0
         self.history.clear()
+        self.prefilling.clear()
 
     # -- slots
     def free_slot(self) -> int | None:
@@ -425,9 +485,13 @@ class EngineCore:
                 )
 
     def _needed_positions(self) -> int:
-        """Positions the occupied slots need for the verify blocks of their next step."""
+        """Positions the occupied slots need for the verify blocks of their next step, and the prompts being
+        prefilled for their chunks and first verify block (a resize between two chunks never cuts one)."""
         occupied = self.lengths[self.occupied]
-        return int(occupied.max()) + self.max_rounds * self.max_verify if occupied.size else 1
+        if not occupied.size:
+            return 1
+        decoding = int(occupied.max()) + self.max_rounds * self.max_verify
+        return max([decoding] + [p.need for p in self.prefilling.values()])
 
     def _highest_occupied(self) -> int:
         occupied = np.flatnonzero(self.occupied)
@@ -444,50 +508,104 @@ class EngineCore:
             seed = (0x5EED << 20) + self._seed_counter
         return np.asarray(jax.random.key_data(jax.random.key(int(seed) & 0xFFFFFFFF)), np.uint32)
 
-    def add(self, slot: int, prompt: Sequence[int], max_new_tokens: int, params: SlotParams) -> tuple[int, str | None]:
-        """Prefill ``prompt`` into ``slot``; returns the first token and a finish reason if it already ended."""
+    def admit(self, slot: int, prompt: Sequence[int], max_new_tokens: int, params: SlotParams) -> None:
+        """Give ``slot`` to a request; its prompt is prefilled by later ``prefill`` calls (the slot is occupied,
+        not running, until the last chunk). A prefix-cache hit starts the slot from the cached row here."""
         prompt = list(prompt)
         n = len(prompt)
         if n < 1 or n + max_new_tokens > self.context_length + 1 or max_new_tokens < 1:
             raise ValueError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds the context")
+        if self.occupied[slot]:
+            raise ValueError(f"slot {slot} is occupied")
         key = self._key(params.seed)
         k_prefill, k_loop = jax.random.split(jax.random.wrap_key_data(key))
-        sampling = (jax.random.key_data(k_prefill), jnp.float32(params.temperature), jnp.float32(params.top_p),
-                    jnp.int32(params.top_k))
         entry, keep = self._prefix_lookup(prompt)
-        # The prompt's row lives in the slots' capacity bucket, which must hold every chunk (a 32-wide tail
-        # included, see ``cache_capacity``) and the first verify block.
-        need = max(n + self.max_verify, keep + -(-(n - keep) // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET,
-                   self._needed_positions())
-        self._fit(max(slot + 1, self._highest_occupied()), need)
-        with use_mesh(self.mesh):
-            if entry is None:
-                row, prow = empty_row(self.target, self.proposer, capacity=self.cache_capacity)
-            else:
+        # The row must hold every chunk (a 32-wide tail included, see ``cache_capacity``) and the first verify block.
+        need = max(n + self.max_verify, keep + -(-(n - keep) // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET)
+        self._admitted += 1
+        self.prefilling[slot] = Prefill(
+            prompt=prompt, max_new_tokens=max_new_tokens, params=params,
+            key=np.asarray(jax.random.key_data(k_prefill), np.uint32),
+            loop_key=np.asarray(jax.random.key_data(k_loop), np.uint32), need=need, order=self._admitted,
+            fresh=entry is None,
+        )
+        self.occupied[slot], self.running[slot] = True, False
+        self.lengths[slot] = keep
+        self.history[slot] = prompt
+        self._fit(max(slot + 1, self._highest_occupied()), self._needed_positions())
+        if entry is not None:
+            with use_mesh(self.mesh):
                 row, prow = start_row(self.proposer, entry.row, entry.prow, jnp.int32(keep), capacity=self.cache_capacity)
-            for offset, width in plan_prefill(n - keep, self.prompt_widths, self.cache_capacity - keep):
-                chunk = prompt[keep + offset : keep + offset + width]
-                tokens = np.full((1, width), self.target.config.pad_token_id or 0, np.int32)
-                tokens[0, : len(chunk)] = chunk
-                row, prow, first = prefill_chunk(
-                    self.target, self.proposer, row, prow, jnp.asarray(tokens), jnp.int32(len(chunk)), *sampling
-                )
-            self.cache, self.pstate = write_row(self.cache, self.pstate, row, prow, jnp.int32(slot))
-        first = int(first)
-        self.occupied[slot] = True
-        self.lengths[slot] = n
-        self.history[slot] = prompt + [first]
+                self.cache, self.pstate = write_rows(self.cache, self.pstate, row, prow, jnp.asarray([slot], jnp.int32))
+
+    def num_prefilling(self) -> int:
+        return len(self.prefilling)
+
+    def prefill(self, slots: Sequence[int] | None = None) -> dict[int, tuple[int, str | None]]:
+        """One prefill call (at most ``prefill_chunk`` tokens) for the prompts being prefilled (or those of
+        ``slots``): a chunk for each of the rows ``plan_batch`` picks, shortest rest first (its first token
+        soonest). Returns slot → (first token, finish reason if it already ended) for the prompts it finished;
+        those slots run from the next ``step`` (or are to be released, given a reason)."""
+        pending = sorted((s for s in self.prefilling if slots is None or s in slots),
+                         key=lambda s: (len(self.prefilling[s].prompt) - self.lengths[s], self.prefilling[s].order))
+        if not pending:
+            return {}
+        self._fit(self._highest_occupied(), self._needed_positions())
+        done = {s: int(self.lengths[s]) for s in pending}
+        width, picked = plan_batch([(done[s], len(self.prefilling[s].prompt) - done[s]) for s in pending],
+                                   self.prompt_widths, self.prefill_budget, self.cache_capacity, self.prefill_sizes)
+        rows = [pending[i] for i in picked]
+        jobs = [self.prefilling[s] for s in rows]
+        tokens = np.full((len(rows), width), self.target.config.pad_token_id or 0, np.int32)
+        counts = np.zeros(len(rows), np.int32)
+        for i, (s, job) in enumerate(zip(rows, jobs)):
+            chunk = job.prompt[done[s] : done[s] + width]
+            tokens[i, : len(chunk)], counts[i] = chunk, len(chunk)
+        slot_ids = jnp.asarray(rows, jnp.int32)
+        with use_mesh(self.mesh):
+            batch, pbatch = read_rows(self.target, self.proposer, self.cache, self.pstate, slot_ids,
+                                      jnp.asarray([job.fresh for job in jobs]))
+            batch, pbatch, first = prefill_rows(
+                self.target, self.proposer, batch, pbatch, jnp.asarray(tokens), jnp.asarray(counts),
+                jnp.asarray(np.stack([job.key for job in jobs])),
+                jnp.asarray([job.params.temperature for job in jobs], jnp.float32),
+                jnp.asarray([job.params.top_p for job in jobs], jnp.float32),
+                jnp.asarray([job.params.top_k for job in jobs], jnp.int32),
+            )
+            self.cache, self.pstate = write_rows(self.cache, self.pstate, batch, pbatch, slot_ids)
+        first = np.asarray(jax.device_get(first))
+        finished = {}
+        for i, (s, job) in enumerate(zip(rows, jobs)):
+            job.fresh = False
+            self.lengths[s] += int(counts[i])
+            if self.lengths[s] == len(job.prompt):
+                finished[s] = self._start_decoding(s, self.prefilling.pop(s), int(first[i]))
+        return finished
+
+    def _start_decoding(self, slot: int, job: Prefill, first: int) -> tuple[int, str | None]:
+        """The slot's prompt is in its caches and ``first`` sampled: it runs from the next step."""
+        params = job.params
+        self.history[slot] = job.prompt + [first]
         self.anchor[slot] = first
-        self.remaining[slot] = max_new_tokens - 1
-        self.key_data[slot] = np.asarray(jax.random.key_data(k_loop))
+        self.remaining[slot] = job.max_new_tokens - 1
+        self.key_data[slot] = job.loop_key
         self.temperature[slot] = params.temperature
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
         fresh = adaptive.init_state(1, self.max_verify)
         self.stats = jax.tree.map(lambda a, f: _set_row(a, slot, f[0]), self.stats, jax.device_get(fresh))
-        reason = "stop" if first in self.stop_set else "length" if max_new_tokens <= 1 else None
+        reason = "stop" if first in self.stop_set else "length" if job.max_new_tokens <= 1 else None
         self.running[slot] = reason is None
         return first, reason
+
+    def add(self, slot: int, prompt: Sequence[int], max_new_tokens: int, params: SlotParams) -> tuple[int, str | None]:
+        """Prefill ``prompt`` into ``slot`` now (chunk after chunk; other prompts being prefilled wait);
+        returns the first token and a finish reason if it already ended."""
+        self.admit(slot, prompt, max_new_tokens, params)
+        while True:
+            finished = self.prefill([slot])
+            if slot in finished:
+                return finished[slot]
 
     def _prefix_lookup(self, prompt: list[int]) -> tuple[Any, int]:
         """The prefix-cache entry to start ``prompt`` from and how many of its tokens to keep."""
@@ -506,8 +624,11 @@ class EngineCore:
         committed = int(self.lengths[slot])
         if self.prefix_cache is None or self._warming or not self.occupied[slot] or committed < 2:
             return
+        if slot in self.prefilling:
+            return  # a prompt cancelled while being prefilled is not kept
         with use_mesh(self.mesh):
-            row, prow = read_row(self.cache, self.pstate, jnp.int32(slot))
+            row, prow = read_rows(self.target, self.proposer, self.cache, self.pstate, jnp.asarray([slot], jnp.int32),
+                                  jnp.asarray([False]))
         ring_ok = prow is None or committed <= prow.capacity  # a ring that never wrapped truncates like K/V
         truncatable = bool(getattr(row, "prefix_truncatable", False)) and ring_ok
         self.prefix_cache.insert(self.history[slot][:committed], row, prow, truncatable)
@@ -519,6 +640,7 @@ class EngineCore:
         """Free ``slot`` at once (finished, cancelled or failed); its row goes to the prefix cache."""
         self._prefix_insert(slot)
         self.history.pop(slot, None)
+        self.prefilling.pop(slot, None)
         self.running[slot] = False
         self.occupied[slot] = False
         self.remaining[slot] = 0
@@ -627,20 +749,42 @@ class EngineCore:
             adaptive.store_costs(self._costs_key(rows), costs)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile every prefill width and step variant (verify lengths × row buckets) at every capacity
-        bucket, so nothing compiles while serving but the (small) resizes between buckets."""
+        """Compile every prefill call (rows × width, and the row copies at every row bucket) and step variant
+        (verify lengths × row buckets) at every capacity bucket, so nothing compiles while serving but the
+        (small) resizes between buckets."""
         bos = self.target.config.bos_token_id or 1
+
+        def prefill_together(slots: range, width: int) -> None:
+            """Prompts of ``width`` tokens in ``slots``, prefilled in one call (``plan_batch``'s choice for them)."""
+            for slot in slots:
+                self.admit(slot, [bos] * min(width, self.context_length), 1, SlotParams())
+            finished = self.prefill()
+            assert set(finished) == set(slots), "warmup: the prompts did not share one prefill call"
+            for slot in slots:
+                self.release(slot)
+
         self._warming = True  # warmup rows stay out of the prefix cache
         try:
             for capacity in self.capacity_buckets:
                 self._forced_capacity = capacity
+                copies = set()  # (row bucket, batch rows) whose row copies are compiled
                 for width in self.prompt_widths:
                     if width > capacity:
                         continue  # (plan_prefill never picks a chunk wider than the cache)
-                    if progress:
-                        progress(f"compiling prefill (prompt width {width}, capacity {capacity})")
-                    self.add(0, [bos] * min(width, self.context_length), 1, SlotParams())
-                    self.release(0)
+                    for size in self.prefill_sizes:
+                        if size * width > self.prefill_budget:
+                            continue
+                        if progress:
+                            progress(f"compiling prefill ({size} × {width} tokens, capacity {capacity})")
+                        prefill_together(range(size), width)
+                        copies.add((self.rows_for(size), size))
+                for rows in self.row_buckets:  # a batch in the highest slots of each row bucket
+                    for size in self.prefill_sizes:
+                        possible = size <= rows and size * MIN_PROMPT_BUCKET <= self.prefill_budget
+                        if possible and (rows, size) not in copies:
+                            if progress:
+                                progress(f"compiling prefill copies ({size} of {rows} rows, capacity {capacity})")
+                            prefill_together(range(rows - size, rows), MIN_PROMPT_BUCKET)
                 for t in self.candidates or sorted(set(self.verify_lengths.values())):
                     for rows in self.row_buckets:
                         if progress:

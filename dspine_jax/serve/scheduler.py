@@ -1,7 +1,8 @@
-"""The scheduler: one worker thread owns the ``EngineCore`` and runs admit → step → stream out.
+"""The scheduler: one worker thread owns the ``EngineCore`` and runs admit → prefill → step → stream out.
 
 Every JAX call happens on that thread. A request is queued (bounded: ``QueueFull`` when full), admitted
-into a free slot between engine steps (prefill), and fed text deltas through an ``asyncio.Queue``
+into a free slot between engine steps, prefilled in chunks (one batched prefill call per iteration, shared
+with the other prompts being prefilled, between decode steps), and fed text deltas through an ``asyncio.Queue``
 (``loop.call_soon_threadsafe``). Detokenization and stop strings (``TextStream``) run per request on the
 worker, so a stop string frees the slot in the same step; a cancelled request's slot is freed before
 the next step.
@@ -225,7 +226,7 @@ class AsyncEngine:
         for req in list(self.active.values()):
             if req.cancelled:
                 self._finish(req, "cancelled", status="cancelled")
-        # Admit waiting requests into free slots.
+        # Admit waiting requests into free slots (their prompts are prefilled by the calls below).
         while True:
             with self.cond:
                 slot = core.free_slot()
@@ -237,7 +238,7 @@ class AsyncEngine:
                 self._finish(req, "cancelled", status="cancelled")
                 continue
             try:
-                first, reason = core.add(slot, req.prompt_ids, req.max_tokens, req.params)
+                core.admit(slot, req.prompt_ids, req.max_tokens, req.params)
             except Exception as e:
                 try:
                     core.release(slot)
@@ -248,22 +249,31 @@ class AsyncEngine:
             self.active[slot] = req
             with self.metrics.lock:
                 self.metrics.prompt_tokens += len(req.prompt_ids)
-            try:
-                self._deliver(req, [first], reason)
-            except Exception as e:
-                self._fail(req, e)
+        # One prefill call (at most ``prefill_chunk`` tokens, several prompts together), then one step: a long
+        # prompt goes in chunk by chunk while the running requests keep decoding.
+        if core.num_prefilling():
+            for slot, (first, reason) in core.prefill().items():
+                self._deliver_to(slot, [first], reason)
         self.metrics.running = len(self.active)
         if core.num_running() == 0:
             return
         start = time.perf_counter()
-        result = core.step()  # up to ``max_rounds`` rounds; a request arriving meanwhile waits that long
+        # While prompts are being prefilled or wait for a free slot, one round per step, so their chunks
+        # (first tokens) come soon; else up to ``max_rounds`` (a request arriving meanwhile waits that long).
+        with self.cond:
+            admitting = bool(self.waiting) and core.free_slot() is not None
+        result = core.step(rounds=1 if core.num_prefilling() or admitting else None)
         self.metrics.record_step(result.accepted, time.perf_counter() - start, result.verify_lengths)
         for slot, tokens in result.tokens.items():
-            req = self.active.get(slot)
-            if req is None:
-                continue
-            try:
-                self._deliver(req, tokens, result.finished.get(slot))
-            except Exception as e:
-                self._fail(req, e)
+            self._deliver_to(slot, tokens, result.finished.get(slot))
         self.metrics.running = len(self.active)
+
+    def _deliver_to(self, slot: int, tokens: list[int], reason: str | None) -> None:
+        """``_deliver`` to the request in ``slot``; a failure fails only that request."""
+        req = self.active.get(slot)
+        if req is None:
+            return
+        try:
+            self._deliver(req, tokens, reason)
+        except Exception as e:
+            self._fail(req, e)

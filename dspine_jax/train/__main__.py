@@ -16,17 +16,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from dspine_jax.decoding.planning import enable_compilation_cache
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.config import build_target_layer_ids, load_drafter_config
-from dspine_jax.drafters.io import copy_target_layers, default_mask_token_id, init_drafter, load_drafter, save_drafter
+from dspine_jax.drafters.io import (
+    cast_drafter,
+    copy_target_layers,
+    default_mask_token_id,
+    init_drafter,
+    load_drafter,
+    save_drafter,
+    with_draft_vocab,
+)
 from dspine_jax.models.target import load_target
 from dspine_jax.models.tokenizer import load_tokenizer
 from dspine_jax.train.data import build_features, load_heldout
 from dspine_jax.train.loop import Dataset, TrainConfig, train
+from dspine_jax.train.vocab import data_draft_vocab
 
 # Runs recorded before --loss-decay-gamma existed trained both kinds with γ = 7.
 LEGACY_GAMMA = 7.0
@@ -35,7 +43,7 @@ LEGACY_GAMMA = 7.0
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dspine_jax.train", description="Train a DFlash / DSpine drafter.")
     ap.add_argument("--target", required=True, help="target model path or alias (e.g. smollm2-135m-instruct)")
-    ap.add_argument("--kind", choices=("dspine", "dflash"), default="dspine")
+    ap.add_argument("--kind", choices=("dspine", "dflash", "dflash2"), default="dspine")
     ap.add_argument("--data", type=Path, required=True, help="dataset dir from python -m dspine_jax.train.data")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=1000)
@@ -71,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(DSpine 7, DFlash none); 0: none")
     ap.add_argument("--mask-token-id", type=int, default=None,
                     help="block mask token; default: a dedicated unused token (drafter_io.default_mask_token_id)")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="propose only the N most frequent response tokens of --data (a draft vocabulary, train/vocab.py): "
+                         "the unary logits then cost N/V of the target head")
     ap.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -106,12 +117,21 @@ def adopt_init_shape(run: dict[str, Any]) -> None:
 
 
 def build_drafter(target, run: dict[str, Any]):
-    """The run's starting drafter: the ``--init-from`` checkpoint in float32, or a fresh one
-    (``card.export_step`` rebuilds it the same way to restore a checkpoint). Runs recorded before
-    ``--mask-token-id`` existed used the target's pad id."""
+    """The run's starting drafter: the ``--init-from`` checkpoint in float32, or a fresh one, with the run's
+    draft vocabulary (``card.export_step`` rebuilds it the same way to restore a checkpoint)."""
 
     if run.get("init_from"):
-        return load_drafter(run["init_from"], target, dtype="float32")
+        drafter = load_drafter(run["init_from"], target, dtype="float32")
+    else:
+        drafter = fresh_drafter(target, run)
+    if run.get("draft_vocab"):
+        drafter = with_draft_vocab(drafter, target, data_draft_vocab(run["data"], run["draft_vocab"], target.config.vocab_size))
+    return drafter
+
+
+def fresh_drafter(target, run: dict[str, Any]):
+    """A new drafter of the run's shape (its layers copied from the target with ``--init-from-target``). Runs
+    recorded before ``--mask-token-id`` existed used the target's pad id."""
     mask = run.get("mask_token_id")
     if mask is None:
         pad = target.config.pad_token_id
@@ -210,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     if history and history[-1]["step"] >= args.steps:
         export = drafter
         if args.export_dtype == "bfloat16":
-            export = drafter.replace(params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), drafter.params))
+            export = cast_drafter(drafter, jnp.bfloat16)
         save_drafter(export, args.out / "export")
         print(f"exported to {args.out / 'export'}")
 

@@ -6,8 +6,9 @@ per-epoch permutation seeded by ``(seed, epoch)``, anchors / replacement flags u
 the step. So a run restored at step ``k`` computes bit-for-bit the same step ``k+1`` as an
 uninterrupted run.
 
-The frozen parts (target embedding, LM head, DSpine transfer codes) are not trained and not
-checkpointed: they come from the target (codes are rebuilt deterministically by ``init_drafter``).
+The frozen parts (target embedding, LM head, DSpine transfer codes, a draft vocabulary's ids and head
+columns: ``FROZEN``) are not trained and not checkpointed: they come from the target (codes are rebuilt
+deterministically by ``init_drafter``, the draft vocabulary by the run's ``--draft-vocab``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,8 @@ from jax import Array
 from tqdm import tqdm
 
 from dspine_jax.drafters.config import DrafterConfig, with_dspine_settings
-from dspine_jax.drafters.drafter import DFlash, Drafter, drafter_kind
+from dspine_jax.drafters.dflash2 import DFlash2
+from dspine_jax.drafters.drafter import DFlash, Drafter, drafter_kind, vocab_ids
 from dspine_jax.drafters.dspine import DSpine, head_rows
 from dspine_jax.train.losses import (
     alignment_terms,
@@ -95,20 +97,40 @@ class ObjectiveTerms(NamedTuple):
     lm_head: Array  # [H, V]
 
 
+def draft_columns(drafter: Drafter, x: Array) -> Array:
+    """``x [..., V]`` → its columns for the drafter's vocabulary ``[..., Vd]`` (all of ``x`` without one)."""
+    ids = drafter.params.draft_ids
+    return x if ids is None else jnp.take(x, ids, axis=-1)
+
+
+def draft_index(drafter: Drafter, tokens: Array) -> Array:
+    """Token ids → their index in the drafter's vocabulary (``unary_logits``' last axis), -1 outside it."""
+    ids = drafter.params.draft_ids
+    if ids is None:
+        return tokens
+    table = jnp.full((drafter.config.vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    return table[tokens]
+
+
+def teacher_probs(terms: ObjectiveTerms) -> Array:
+    """The target's next-token distribution ``[B, A, P, V]`` for every supervised slot (no gradient): the
+    distribution of the token at position p is read at position p-1."""
+    b, a, p = terms.source.shape
+    idx = jnp.maximum(terms.source - 1, 0).reshape(b, a * p)
+    teacher_h = jnp.take_along_axis(terms.teacher_hidden, idx[..., None], axis=1).reshape(b, a, p, -1)
+    logits = jnp.matmul(teacher_h, terms.lm_head, preferred_element_type=jnp.float32)
+    return jax.lax.stop_gradient(jax.nn.softmax(logits, axis=-1))
+
+
 def dspine_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     """The DSpine objective: ``ce_weight·CE + (1-ce_weight)·L1`` to the target distribution, the
     last-write refinement loss over the detached top-K, and β-weighted cosine alignment (losses.py)."""
     drafter, fwd, lab, weights = terms.drafter, terms.fwd, terms.labels[..., 1:], terms.weights
     settings, kind = drafter.config.dspine_settings, drafter.kind
-    # Teacher: the target's distribution for the token at position p is read at position p-1.
-    b, a, p = terms.source.shape
-    idx = jnp.maximum(terms.source - 1, 0).reshape(b, a * p)
-    teacher_h = jnp.take_along_axis(terms.teacher_hidden, idx[..., None], axis=1).reshape(b, a, p, -1)
-    teacher = jax.lax.stop_gradient(
-        jax.nn.softmax(jnp.matmul(teacher_h, terms.lm_head, preferred_element_type=jnp.float32), axis=-1)
-    )
-    l1 = l1_terms(terms.logp, teacher, weights)
+    teacher = teacher_probs(terms)
+    l1 = l1_terms(terms.logp, draft_columns(drafter, teacher), weights)
     _, cand = jax.lax.top_k(jax.lax.stop_gradient(terms.logits), drafter.config.top_k)  # [B, A, P, K]
+    cand = vocab_ids(drafter, cand)
     refined = kind.refine(drafter, fwd.pre_injection[:, :, 1:], terms.labels[..., :-1])  # true predecessors
     scores = jnp.einsum(
         "baph,bapkh->bapk", refined, head_rows(terms.lm_head, cand), preferred_element_type=jnp.float32
@@ -131,10 +153,33 @@ def dspine_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     return numerator, metrics
 
 
+# DSpine's refinement defaults (dspine_config's ce_weight, candidate_mass_threshold), for DFlash2's selector.
+SELECTOR_CE_WEIGHT, SELECTOR_MASS_THRESHOLD = 0.1, 1e-4
+
+
+def dflash2_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
+    """DFlash2: DFlash's block CE plus its selector trained like DSpine's last-write refinement (dflash==0.1.0
+    ships no training code): over the **detached** unary top-C candidates of every slot, the selector's
+    score given the **true** predecessor (teacher forcing; slot 1's is the anchor) gets ``0.1·CE`` on the
+    labels the candidates cover ``+ 0.9·L1`` to the target's distribution renormalised on them
+    (``refinement_terms`` with DSpine's default weights). Gradients reach the codebooks, the hidden
+    projection and, through the unary scores and ``h``, the backbone."""
+    drafter, fwd, lab, weights = terms.drafter, terms.fwd, terms.labels[..., 1:], terms.weights
+    _, index = jax.lax.top_k(jax.lax.stop_gradient(terms.logits), drafter.config.top_k)  # [B, A, P, C]
+    unary, cand = jnp.take_along_axis(terms.logits, index, axis=-1), vocab_ids(drafter, index)
+    scores = drafter.kind.selector_scores(drafter, fwd.hidden[:, :, 1:], unary, cand, terms.labels[..., :-1, None])
+    selector, covered = refinement_terms(
+        scores[..., 0, :], cand, lab, teacher_probs(terms), weights, SELECTOR_CE_WEIGHT, SELECTOR_MASS_THRESHOLD
+    )
+    metrics = dict(selector=selector / terms.denominator, coverage=jnp.sum(covered & terms.supervised) / terms.count)
+    return terms.ce + selector, metrics
+
+
 # Per kind class; a kind without an entry trains as its nearest registered base (a DFlash variant as DFlash).
 KIND_TRAINING: dict[type, KindTraining] = {
     DFlash: KindTraining(reference_gamma=None),
     DSpine: KindTraining(reference_gamma=7.0, schedule=dspine_schedule, loss=dspine_loss),
+    DFlash2: KindTraining(reference_gamma=None, loss=dflash2_loss),
 }
 
 
@@ -191,7 +236,7 @@ def sample_anchors(key: Array, loss_mask: Array, num_anchors: int) -> tuple[Arra
 
 def objective(
     trainable,
-    codes: Array | None,
+    frozen: dict[str, Any],
     config,
     embed: Array,
     lm_head: Array,
@@ -204,7 +249,7 @@ def objective(
 ) -> tuple[Array, dict[str, Array]]:
     """Loss and metrics for one batch (the DFlash CE or the full DSpine objective); ``gamma`` is the
     resolved position decay (``loss_decay_gamma``; None = none)."""
-    drafter = Drafter(params=trainable.replace(transfer_codes=codes), config=config)
+    drafter = Drafter(params=join_params(trainable, frozen), config=config)
     tokens, mask = batch["tokens"], batch["loss_mask"]
     s = tokens.shape[1]
     t = config.block_size
@@ -214,15 +259,18 @@ def objective(
     pos = positions[..., 1:]
     safe = jnp.minimum(pos, s - 1)
     in_mask = jnp.take_along_axis(mask[:, None, :], safe, axis=2)
-    supervised = (pos < s) & keep[..., None] & in_mask  # [B, A, P]
+    index = draft_index(drafter, lab)  # [B, A, P]; a label the drafter cannot propose ends its block's supervision
+    supervised = (pos < s) & keep[..., None] & in_mask & (index >= 0)  # [B, A, P]
     weights = slot_weights(supervised, gamma)
     supervised = slot_weights(supervised, None) > 0  # metrics count the slots the loss weighs (cumulative mask)
     denominator = jnp.maximum(weights.sum(), 1e-6)
     count = jnp.maximum(supervised.sum(), 1)
     hidden = fwd.hidden[:, :, 1:]
-    logits = jnp.matmul(hidden, lm_head, preferred_element_type=jnp.float32)  # [B, A, P, V]
-    ce, logp = ce_terms(logits, lab, weights)
-    correct = jnp.sum((jnp.argmax(logits, -1) == lab) & supervised)
+    head = lm_head if drafter.params.draft_head is None else drafter.params.draft_head
+    logits = jnp.matmul(hidden, head, preferred_element_type=jnp.float32)  # [B, A, P, V] (or Vd)
+    index = jnp.maximum(index, 0)
+    ce, logp = ce_terms(logits, index, weights)
+    correct = jnp.sum((jnp.argmax(logits, -1) == index) & supervised)
     metrics = {"ce": ce / denominator, "acc": correct / count}
     extra_loss = kind_training(config.kind).loss
     if extra_loss is None:
@@ -249,9 +297,18 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def split_params(drafter: Drafter):
-    """(trainable params without the frozen transfer codes, the codes)."""
-    return drafter.params.replace(transfer_codes=None), drafter.params.transfer_codes
+FROZEN = ("transfer_codes", "draft_ids", "draft_head")  # derived from the target at load: never trained
+
+
+def split_params(drafter: Drafter) -> tuple[Any, dict[str, Any]]:
+    """(trainable params without the frozen parts, the frozen parts ``{name: array or None}``)."""
+    params = drafter.params
+    return params.replace(**dict.fromkeys(FROZEN)), {name: getattr(params, name) for name in FROZEN}
+
+
+def join_params(trainable: Any, frozen: dict[str, Any]) -> Any:
+    """``split_params``' inverse."""
+    return trainable.replace(**frozen)
 
 
 def _global_norm(tree) -> Array:
@@ -260,7 +317,7 @@ def _global_norm(tree) -> Array:
 
 
 def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation):
-    """The jitted train step ``(trainable, opt_state, codes, embed, lm_head, batch, step) →
+    """The jitted train step ``(trainable, opt_state, frozen, embed, lm_head, batch, step) →
     (trainable, opt_state, metrics)``; randomness from ``fold_in(key(seed), step)``. The DSpine schedule
     reads ``training_drafter_config(config, cfg)``: the settings the exported config records."""
     config = training_drafter_config(config, cfg)
@@ -268,7 +325,7 @@ def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation)
     settings = config.dspine_settings if schedule is not None else {}
     gamma = loss_decay_gamma(config.kind, cfg.gamma)
 
-    def step_fn(trainable, opt_state, codes, embed, lm_head, batch, step):
+    def step_fn(trainable, opt_state, frozen, embed, lm_head, batch, step):
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
         k_anchor, k_replace = jax.random.split(key)
         anchors, keep = sample_anchors(k_anchor, batch["loss_mask"], cfg.anchors)
@@ -277,7 +334,7 @@ def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation)
             beta, probability = schedule(step, cfg.steps, settings)
             replace = (jax.random.uniform(k_replace, anchors.shape) < probability) & keep
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(
-            trainable, codes, config, embed, lm_head, batch, anchors, keep, replace, beta, gamma
+            trainable, frozen, config, embed, lm_head, batch, anchors, keep, replace, beta, gamma
         )
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
@@ -287,12 +344,12 @@ def make_step(config, cfg: TrainConfig, optimizer: optax.GradientTransformation)
     return jax.jit(step_fn, donate_argnums=(0, 1))
 
 
-def eval_loss(config, cfg: TrainConfig, trainable, codes, embed, lm_head, batch, step: int = 0):
+def eval_loss(config, cfg: TrainConfig, trainable, frozen, embed, lm_head, batch, step: int = 0):
     """Objective without an update (no replacement), for tests and held-out loss."""
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
     anchors, keep = sample_anchors(jax.random.split(key)[0], batch["loss_mask"], cfg.anchors)
     gamma = loss_decay_gamma(config.kind, cfg.gamma)
-    return objective(trainable, codes, config, embed, lm_head, batch, anchors, keep, None, jnp.float32(0.0), gamma)
+    return objective(trainable, frozen, config, embed, lm_head, batch, anchors, keep, None, jnp.float32(0.0), gamma)
 
 
 class Dataset:
@@ -369,7 +426,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     config = training_drafter_config(drafter.config, cfg)  # the returned (exported) drafter records cfg's knobs
     optimizer = make_optimizer(cfg)
-    trainable, codes = split_params(drafter)
+    trainable, frozen = split_params(drafter)
     state = {"params": trainable, "opt_state": optimizer.init(trainable)}
     start = 0
     if resume:
@@ -386,7 +443,7 @@ def train(
     t_last = time.perf_counter()
     for step in bar:
         batch = dataset.batch(step, cfg.batch_size, cfg.seed)
-        trainable, opt_state, metrics = step_fn(trainable, opt_state, codes, embed, lm_head, batch, jnp.int32(step))
+        trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, embed, lm_head, batch, jnp.int32(step))
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         metrics.update(step=step + 1, step_time=now - t_last)
@@ -399,11 +456,11 @@ def train(
         if done % cfg.checkpoint_every == 0 or done == end:
             mngr.save(done, args=ocp.args.StandardSave({"params": trainable, "opt_state": opt_state}))
         if eval_fn is not None and cfg.eval_every and done % cfg.eval_every == 0:
-            metrics.update(eval_fn(Drafter(params=trainable.replace(transfer_codes=codes), config=config), done))
+            metrics.update(eval_fn(Drafter(params=join_params(trainable, frozen), config=config), done))
             bar.write(f"step {done}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("tau")))
         if done % cfg.log_every == 0 or done == end:
             with log_path.open("a") as f:
                 f.write(json.dumps(metrics) + "\n")
     mngr.wait_until_finished()
     mngr.close()
-    return Drafter(params=trainable.replace(transfer_codes=codes), config=config), history
+    return Drafter(params=join_params(trainable, frozen), config=config), history

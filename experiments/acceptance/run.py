@@ -1,11 +1,13 @@
 """Acceptance-length study: τ per domain on held-out prompts, greedy and temperature 1, for the shipped
-DFlash and DSpine SmolLM2 drafters and two DSpine ablations, plus end-to-end speed against our AR decode.
+DFlash, DFlash2 and DSpine SmolLM2 drafters and two DSpine ablations, plus end-to-end speed against our AR decode.
 
     python experiments/acceptance/run.py [--data DIR] [--max-new-tokens 64] [--out experiments/acceptance]
 
 Variants (all inference-time switches on the same trained weights — nothing is retrained):
 
 * ``dflash``        the DFlash drafter (bidirectional block, independent per-slot decode over V);
+* ``dflash2``       the DFlash2 drafter (dynamic causal convolutions + candidate-selector walk), when given;
+* ``dflash2-no-sel`` the DFlash2 forward with proposals straight from its unary logits (no selector);
 * ``dspine``        the DSpine drafter (injection + last-write refinement + transition-table walk);
 * ``dspine-no-lwr`` same forward (injection on), proposals straight from the unary logits (top-K,
                     independent per slot): no last-write refinement / transition walk;
@@ -46,9 +48,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @struct.dataclass
 class AblatedProposer(DrafterProposer):
-    """A DSpine drafter decoded without LWR (``inject=True``) or without any injection (``inject=False``):
-    unary top-K logits, each slot chosen independently (greedy argmax / sample from the softmax over the
-    K candidates, which is the reported ``q``)."""
+    """A DSpine drafter decoded without LWR (``inject=True``) or without any injection (``inject=False``),
+    or a DFlash2 drafter without its selector: unary top-K logits, each slot chosen independently (greedy
+    argmax / sample from the softmax over the K candidates, which is the reported ``q``)."""
 
     inject: bool = struct.field(pytree_node=False, default=True)
 
@@ -68,10 +70,12 @@ def main(argv=None) -> None:
     ap.add_argument("--data", type=Path, default=ROOT / "experiments/data/smollm2-v2")
     ap.add_argument("--dspine", type=Path, default=ROOT / "checkpoints/smollm2-135m-dspine-b8")
     ap.add_argument("--dflash", type=Path, default=ROOT / "checkpoints/smollm2-135m-dflash-b8")
+    ap.add_argument("--dflash2", type=Path, default=ROOT / "checkpoints/smollm2-135m-dflash2-b8",
+                    help="DFlash2 drafter (its variants are skipped when the directory does not exist)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per domain")
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--variants", default="dflash,dspine,dspine-no-lwr,dspine-no-inj")
+    ap.add_argument("--variants", default="dflash,dflash2,dflash2-no-sel,dspine,dspine-no-lwr,dspine-no-inj")
     ap.add_argument("--timing", action="store_true", help="second greedy run of AR / dflash / dspine for speed")
     ap.add_argument("--outside", type=int, default=0,
                     help="also τ (greedy, DFlash and DSpine) on N prompts per domain drawn outside the repository (outside.py)")
@@ -96,6 +100,14 @@ def main(argv=None) -> None:
         "dspine-no-inj": AblatedProposer(drafter=dspine, inject=False),
     }
     variants = args.variants.split(",")
+    if (args.dflash2 / "config.json").exists():
+        dflash2 = load_drafter(args.dflash2, target)
+        if dflash2.config.block_size != block:
+            raise SystemExit("the DFlash2 drafter must share the others' block size (τ is measured over the whole block)")
+        proposers.update({"dflash2": dflash2, "dflash2-no-sel": AblatedProposer(drafter=dflash2)})
+    else:
+        print(f"no DFlash2 drafter at {args.dflash2}: its variants are skipped", flush=True)
+        variants = [v for v in variants if v in proposers]
     temps = [float(t) for t in args.temperatures.split(",")]
     # One batch holds every domain's prompts (one compilation per variant and temperature); τ per domain
     # is then computed from the per-row acceptance lengths.
@@ -139,7 +151,7 @@ def main(argv=None) -> None:
         o_prompts = [r["prompt_ids"] for d in domains for r in outside[d]]
         o_domain = [d for d in domains for _ in outside[d]]
         results["outside_prompts"] = {d: [r["source"] for r in outside[d]] for d in domains}
-        for name in ("dflash", "dspine"):
+        for name in [v for v in ("dflash", "dflash2", "dspine") if v in proposers]:
             res = speculative_generate(target, proposers[name], o_prompts, args.max_new_tokens, verify=block)
             results.setdefault("tau_outside", {})[f"{name}@T0"] = tau_per_domain(res, o_domain, domains)
             print("outside", name, results["tau_outside"][f"{name}@T0"], flush=True)

@@ -65,12 +65,12 @@ def main() -> None:
     rows[f"drafter block forward ({p} positions)"] = timed(fwd_fn, state, block)
     fwd = fwd_fn(state, block)
     logits_fn = jax.jit(lambda h: dr.unary_logits(drafter, target, h))
-    rows[f"unary logits [{p - 1}, V]"] = timed(logits_fn, fwd.hidden[:, 1:])
+    rows[f"unary logits [{p - 1}, {drafter.config.draft_vocab_size or target.config.vocab_size}]"] = timed(logits_fn, fwd.hidden[:, 1:])
     logits = logits_fn(fwd.hidden[:, 1:])
-    rows[f"top-{drafter.config.top_k} of V"] = timed(jax.jit(lambda l: dr.top_candidates(l, drafter.config.top_k)), logits)
+    rows[f"top-{drafter.config.top_k} of those"] = timed(jax.jit(lambda l: dr.top_candidates(l, drafter.config.top_k)), logits)
     kind = drafter.kind
     cands = jax.jit(lambda f, a: kind.candidates(drafter, target, f, a))(fwd, anchor)
-    _, cand_ids = dr.top_candidates(logits, drafter.config.top_k)
+    cand_ids = dr.vocab_ids(drafter, dr.top_candidates(logits, drafter.config.top_k)[1])
     rows["transition table"] = timed(jax.jit(lambda pre, ids, a: kind.transition_table(drafter, target, pre, ids, a)),
                                      fwd.pre_injection[:, 1:], cand_ids, anchor)
     rows["walk"] = timed(jax.jit(lambda c, k: kind.select(c, dr.slot_keys(k, c.cand_ids.shape[1]),

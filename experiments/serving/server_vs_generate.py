@@ -97,10 +97,12 @@ def main() -> None:
                      "ttft_p50_s": round(statistics.median(r["ttft"] for r in server[c]), 3), "same_text": same})
         print(f"c={c}: server {s:.1f} tok/s, generate {g:.1f} tok/s, ratio {s / g:.2f}, "
               f"p50 TTFT {rows[-1]['ttft_p50_s']:.3f} s, same text: {same}", flush=True)
+    ttft_ratio = rows[1]["ttft_p50_s"] / rows[0]["ttft_p50_s"]
+    print(f"p50 TTFT c=8 / c=1: {ttft_ratio:.2f}")
     print(f"server startup (load + warmup): {startup:.0f} s")
     if args.out:
         report = {"machine": machine_info(), "flags": args.flags, "max_tokens": args.max_tokens, "waves": args.waves,
-                  "startup_s": round(startup, 1), "rows": rows}
+                  "startup_s": round(startup, 1), "ttft_ratio_c8_c1": round(ttft_ratio, 2), "rows": rows}
         pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
 
