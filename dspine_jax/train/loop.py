@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from jax import Array
 from tqdm import tqdm
 
-from dspine_jax.drafters.config import DrafterConfig, with_dspine_settings
+from dspine_jax.drafters.config import DSPINE_DEFAULTS, DrafterConfig, with_dspine_settings
 from dspine_jax.drafters.dflash2 import DFlash2
 from dspine_jax.drafters.drafter import DFlash, Drafter, drafter_kind, vocab_ids
 from dspine_jax.drafters.dspine import DSpine, head_rows
@@ -112,6 +112,14 @@ def draft_index(drafter: Drafter, tokens: Array) -> Array:
     return table[tokens]
 
 
+def unary_candidates(terms: ObjectiveTerms) -> tuple[Array, Array]:
+    """The **detached** top-``config.top_k`` of the unary logits: their indices into the logits' last axis and
+    their token ids ``[B, A, P, C]`` (they differ with a draft vocabulary)."""
+    drafter = terms.drafter
+    _, index = jax.lax.top_k(jax.lax.stop_gradient(terms.logits), drafter.config.top_k)
+    return index, vocab_ids(drafter, index)
+
+
 def teacher_probs(terms: ObjectiveTerms) -> Array:
     """The target's next-token distribution ``[B, A, P, V]`` for every supervised slot (no gradient): the
     distribution of the token at position p is read at position p-1."""
@@ -129,8 +137,7 @@ def dspine_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     settings, kind = drafter.config.dspine_settings, drafter.kind
     teacher = teacher_probs(terms)
     l1 = l1_terms(terms.logp, draft_columns(drafter, teacher), weights)
-    _, cand = jax.lax.top_k(jax.lax.stop_gradient(terms.logits), drafter.config.top_k)  # [B, A, P, K]
-    cand = vocab_ids(drafter, cand)
+    _, cand = unary_candidates(terms)  # [B, A, P, K]
     refined = kind.refine(drafter, fwd.pre_injection[:, :, 1:], terms.labels[..., :-1])  # true predecessors
     scores = jnp.einsum(
         "baph,bapkh->bapk", refined, head_rows(terms.lm_head, cand), preferred_element_type=jnp.float32
@@ -153,8 +160,8 @@ def dspine_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     return numerator, metrics
 
 
-# DSpine's refinement defaults (dspine_config's ce_weight, candidate_mass_threshold), for DFlash2's selector.
-SELECTOR_CE_WEIGHT, SELECTOR_MASS_THRESHOLD = 0.1, 1e-4
+# DSpine's refinement defaults, for DFlash2's selector (which has no dspine_config of its own).
+SELECTOR_CE_WEIGHT, SELECTOR_MASS_THRESHOLD = DSPINE_DEFAULTS["ce_weight"], DSPINE_DEFAULTS["candidate_mass_threshold"]
 
 
 def dflash2_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
@@ -165,8 +172,8 @@ def dflash2_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     (``refinement_terms`` with DSpine's default weights). Gradients reach the codebooks, the hidden
     projection and, through the unary scores and ``h``, the backbone."""
     drafter, fwd, lab, weights = terms.drafter, terms.fwd, terms.labels[..., 1:], terms.weights
-    _, index = jax.lax.top_k(jax.lax.stop_gradient(terms.logits), drafter.config.top_k)  # [B, A, P, C]
-    unary, cand = jnp.take_along_axis(terms.logits, index, axis=-1), vocab_ids(drafter, index)
+    index, cand = unary_candidates(terms)  # [B, A, P, C]
+    unary = jnp.take_along_axis(terms.logits, index, axis=-1)
     scores = drafter.kind.selector_scores(drafter, fwd.hidden[:, :, 1:], unary, cand, terms.labels[..., :-1, None])
     selector, covered = refinement_terms(
         scores[..., 0, :], cand, lab, teacher_probs(terms), weights, SELECTOR_CE_WEIGHT, SELECTOR_MASS_THRESHOLD

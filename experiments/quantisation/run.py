@@ -25,6 +25,8 @@ import numpy as np
 from dspine_jax.bench import load_heldout_prompts, select_prompts
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.models import quant
+from dspine_jax.models.cache import quantize_kv
+from dspine_jax.models.layers import cached_attention
 from dspine_jax.models import target as tgt
 from dspine_jax.models.tokenizer import load_tokenizer
 from dspine_jax.train.data import encode_messages
@@ -82,6 +84,17 @@ def teacher_logprobs(target: tgt.Target, prompt: list[int], continuation: list[i
     return np.asarray(jax.nn.log_softmax(tgt.lm_logits(target, hidden)[0], axis=-1))
 
 
+def median_us(f, *args, repeats: int) -> float:
+    """Median microseconds of ``f(*args)`` over ``repeats`` calls after one warm-up (compilation) call."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def matmul_profile(repeats: int = 20) -> dict[str, dict[str, float]]:
     """Microseconds of one [1, I] @ [I, O] at SmolLM2's shapes: f32, bf16, int8 weights (f32 compute)."""
     rng = np.random.default_rng(0)
@@ -93,25 +106,13 @@ def matmul_profile(repeats: int = 20) -> dict[str, dict[str, float]]:
         cases = {"f32": (jax.jit(lambda x, w: x @ w), x, w),
                  "bf16": (jax.jit(lambda x, w: x @ w), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)),
                  "int8": (jax.jit(lambda x, w: x @ w), x, quant.quantize_int8(w))}
-        row = {}
-        for case, (f, a, b) in cases.items():
-            jax.block_until_ready(f(a, b))
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(a, b))
-                times.append(time.perf_counter() - t0)
-            row[case] = statistics.median(times) * 1e6
-        out[name] = row
+        out[name] = {case: median_us(f, a, b, repeats=repeats) for case, (f, a, b) in cases.items()}
     return out
 
 
 def attention_profile(slots: int = 1664, repeats: int = 200) -> dict[str, float]:
     """Microseconds of one layer's batch-1 decode attention over ``slots`` cached positions at SmolLM2's
     shapes (9 query / 3 KV heads of 64): f32 K/V vs int8 K/V read through their scales."""
-    from dspine_jax.models.cache import quantize_kv
-    from dspine_jax.models.layers import cached_attention
-
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 1, 9, 64)).astype(np.float32))
     k, v = (jnp.asarray(rng.standard_normal((1, 3, slots, 64)).astype(np.float32)) for _ in range(2))
@@ -119,16 +120,7 @@ def attention_profile(slots: int = 1664, repeats: int = 200) -> dict[str, float]
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     cases = {"f32": (jax.jit(cached_attention), (q, k, v, visible)),
              "int8": (jax.jit(cached_attention), (q, kq, vq, visible, ks, vs))}
-    out = {}
-    for case, (f, args) in cases.items():
-        jax.block_until_ready(f(*args))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times.append(time.perf_counter() - t0)
-        out[case] = statistics.median(times) * 1e6
-    return out
+    return {case: median_us(f, *args, repeats=repeats) for case, (f, args) in cases.items()}
 
 
 def long_context(targets: dict, prompts: list[list[int]], length: int, tokens: int, repeats: int) -> dict[str, dict]:
