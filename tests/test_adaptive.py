@@ -102,6 +102,33 @@ def test_cost_estimate_refines_the_prior_with_decoded_rounds():
     assert set(estimate.current()) == {1, 2, 4}
 
 
+def test_cost_estimate_explores_the_neighbours_of_the_choice():
+    # T = 2 measured too cheap: the policy would stay at 2, so 4 (the next longer) gets segments until
+    # EXPLORE_SAMPLES have timed it; T = 1 is never explored, and 8 only as a neighbour of 4.
+    estimate = adaptive.CostEstimate({1: 1.0, 2: 1.0, 4: 1.5, 8: 2.0}, segments={2: 5})
+    assert estimate.explore(1) == 1
+    assert estimate.explore(2) == 4
+    for _ in range(adaptive.EXPLORE_SAMPLES + 1):  # (the first segment of a length is not counted)
+        estimate.observe(4, 1.2, 1)
+    assert estimate.timed(4) == adaptive.EXPLORE_SAMPLES and estimate.explore(2) == 2
+    assert estimate.explore(4) == 8  # 2 was timed enough; 8 has not been
+    # What the cache keeps: refined costs where this run timed, unscaled priors elsewhere, the counts.
+    costs, segments = estimate.measured()
+    assert costs[8] == 2.0 and costs[4] == pytest.approx(1.35) and costs[1] == 1.0
+    assert segments == {1: 0, 2: 5, 4: adaptive.EXPLORE_SAMPLES, 8: 0}
+    assert estimate.current()[8] == pytest.approx(2.0 * 1.35 / 1.5)  # (the policy's guess is scaled)
+
+
+def test_cost_cache_round_trip_with_segments(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path))
+    adaptive.store_costs("k", {1: 1.0, 2: 1.5}, {1: 4, 2: 7})
+    assert adaptive.load_cost_entry("k") == ({1: 1.0, 2: 1.5}, {1: 4, 2: 7})
+    assert adaptive.load_costs("k") == {1: 1.0, 2: 1.5}
+    (tmp_path / adaptive.COSTS_FILE).write_text(json.dumps({"old": {"1": 1.0, "4": 2.0}}))  # before the counts
+    assert adaptive.load_cost_entry("old") == ({1: 1.0, 4: 2.0}, {1: 0, 4: 0})
+    assert adaptive.load_cost_entry("missing") is None
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_models):
     target = load_target(tiny_models["llama"][0])
@@ -150,7 +177,10 @@ def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
     assert first.calibration_seconds > 0 and first.token_ids[0] == reference[:24]
     table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
     (key, costs), = table.items()
-    assert key.endswith("|b1|T1,2,4") and set(costs) == {"1", "2", "4"} and all(v > 0 for v in costs.values())
+    seconds = {t: v for t, v in costs.items() if t.isdigit()}
+    assert key.endswith("|b1|T1,2,4") and set(seconds) == {"1", "2", "4"} and all(v > 0 for v in seconds.values())
+    # The segments behind each cost: the lengths this run timed (the calibration itself counts none).
+    assert set(costs["segments"]) == {"1", "2", "4"} and sum(costs["segments"].values()) >= 1
     second = speculative_generate(target, drafter, [PROMPT, PROMPT[:3]], 24, stop_ids=[])
     assert second.calibration_seconds > 0  # batch 2: another bucket
     third = speculative_generate(target, drafter, [PROMPT[::-1]], 110, stop_ids=[])
@@ -158,3 +188,23 @@ def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
     table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
     assert len(table) == 2
     assert table[key] != costs  # decoding refined the cached costs with the rounds it timed
+
+
+def test_a_prior_that_makes_one_length_look_cheap_is_explored_away(llama, tmp_path, monkeypatch):
+    # A cached prior says T = 2 costs a tenth of the rest: without exploration every round would verify 2
+    # (nothing else would ever be timed). The next longer length gets its segments, and the cache records them.
+    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path))
+    target, reference = llama
+    ref = np.zeros((1, 160), np.int32)
+    ref[0, : len(reference)] = reference
+    proposer = OracleProposer(reference=jnp.asarray(ref), accept=jnp.full((1, 64), 99, jnp.int32),
+                              vocab_size=target.config.vocab_size)  # fmt: skip
+    lengths = adaptive.candidate_lengths(None)
+    key = adaptive.costs_key(target, "OracleProposer", 1, lengths)
+    adaptive.store_costs(key, {1: 0.01, 2: 0.001, 4: 0.02, 8: 0.02, 16: 0.02})
+    result = speculative_generate(target, proposer, [PROMPT], 100, stop_ids=[])
+    assert result.token_ids[0] == reference[:100] and result.calibration_seconds == 0.0
+    ran = result.verify_lengths[0]
+    assert ran.count(4) >= (adaptive.EXPLORE_SAMPLES + 1) * DECIDE_EVERY, ran
+    _, segments = adaptive.load_cost_entry(key)
+    assert segments[4] >= adaptive.EXPLORE_SAMPLES and segments[2] >= 1

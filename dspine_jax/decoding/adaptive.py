@@ -8,7 +8,10 @@ Two parts, both small:
   (device, target, proposer, batch bucket) by running the real loop pinned to each ``T``;
   ``load_costs`` / ``store_costs`` keep it in ``<cache>/verify_costs.json``. While decoding,
   ``CostEstimate`` refines it with the rounds actually run (a short calibration is noisy on a shared
-  machine, and the load changes while decoding).
+  machine, and the load changes while decoding). A cost can only be corrected by running its length,
+  so while drafting pays the neighbours of the chosen length that few segments have timed (this run
+  and earlier ones, counted in the cache) get a segment each (``CostEstimate.explore``): a prior that
+  makes one length look cheap cannot hold the choice there for ever.
 * **Policy** (``choose`` / ``update``, run on the device inside the decode loop): per row, decayed
   counts of how often proposal slot ``i`` was accepted when verification reached it give
   ``a_i = (hits_i + w·a_{i-1}) / (tries_i + w)`` (``a_0 = p0``: an untested slot looks like the one before
@@ -48,6 +51,7 @@ PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a
 PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round
 FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
 PRIOR_SAMPLES, RECENT = 3, 32  # a measured (or cached) cost counts as 3 timed segments; the last 32 count
+EXPLORE_SAMPLES = 3  # timed segments (over runs) a drafted length needs before only the policy picks it
 COSTS_FILE = "verify_costs.json"
 
 
@@ -208,16 +212,28 @@ def _costs_path() -> str:
 
 def load_costs(key: str) -> dict[int, float] | None:
     """The cached ``{T: seconds}`` for ``key``, or None."""
+    entry = load_cost_entry(key)
+    return entry[0] if entry else None
+
+
+def load_cost_entry(key: str) -> tuple[dict[int, float], dict[int, int]] | None:
+    """The cached ``({T: seconds}, {T: timed segments behind it})`` for ``key``, or None (entries written
+    before the counts existed count 0 segments)."""
     try:
         with open(_costs_path()) as f:
             entry = json.load(f).get(key)
     except (OSError, ValueError):
         return None
-    return {int(t): float(s) for t, s in entry.items()} if entry else None
+    if not entry:
+        return None
+    counts = entry.get("segments", {})
+    costs = {int(t): float(s) for t, s in entry.items() if t.isdigit()}
+    return costs, {t: int(counts.get(str(t), 0)) for t in costs}
 
 
-def store_costs(key: str, costs: Mapping[int, float]) -> None:
-    """Add ``costs`` under ``key`` (written atomically: concurrent runs never leave a torn file)."""
+def store_costs(key: str, costs: Mapping[int, float], segments: Mapping[int, int] | None = None) -> None:
+    """Add ``costs`` (and how many timed segments each rests on) under ``key`` (written atomically:
+    concurrent runs never leave a torn file)."""
     path = _costs_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
@@ -225,7 +241,10 @@ def store_costs(key: str, costs: Mapping[int, float]) -> None:
             table = json.load(f)
     except (OSError, ValueError):
         table = {}
-    table[key] = {str(t): float(s) for t, s in sorted(costs.items())}
+    entry: dict = {str(t): float(s) for t, s in sorted(costs.items())}
+    if segments:
+        entry["segments"] = {str(t): int(n) for t, n in sorted(segments.items())}
+    table[key] = entry
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(table, f, indent=1)
@@ -241,10 +260,12 @@ class CostEstimate:
     not counted: the first run of a compiled program pays one-time costs (with cached costs nothing ran
     it before). A length not run yet keeps its prior scaled by the median ratio seen on the lengths that
     ran: a machine that got busier slows every length alike, so the ratios the policy compares stay the
-    measured ones."""
+    measured ones. That scaling also carries a wrong prior along (a length measured too cheap stays the
+    cheapest), hence ``explore``. ``segments {T: n}``: timed segments behind each prior (the cache's)."""
 
-    def __init__(self, prior: Mapping[int, float]):
+    def __init__(self, prior: Mapping[int, float], segments: Mapping[int, int] | None = None):
         self.prior = {int(t): float(s) for t, s in prior.items()}
+        self.earlier = {t: int((segments or {}).get(t, 0)) for t in self.prior}
         self.samples: dict[int, collections.deque[float]] = {t: collections.deque(maxlen=RECENT) for t in self.prior}
         self.first_seen: set[int] = set()
 
@@ -256,11 +277,36 @@ class CostEstimate:
             return
         self.samples[length].append(seconds / rounds)
 
+    def timed(self, length: int) -> int:
+        """Segments (this run's counted ones and earlier runs') that timed ``length``."""
+        return self.earlier[length] + len(self.samples[length])
+
+    def explore(self, chosen: int) -> int:
+        """The length to run instead of the policy's ``chosen``: while drafting pays (``chosen`` > 1), the
+        next shorter and the next longer drafted candidate, in that order, until each has been timed over
+        ``EXPLORE_SAMPLES`` segments; else ``chosen``. Expected tokens per second are near unimodal in ``T``,
+        so timing the neighbours of the choice is enough to walk off a wrong prior."""
+        if chosen <= 1 or chosen not in self.prior:
+            return chosen
+        drafted = sorted(t for t in self.prior if t > 1)
+        i = drafted.index(chosen)
+        for t in drafted[max(i - 1, 0) : i] + drafted[i + 1 : i + 2]:
+            if self.timed(t) < EXPLORE_SAMPLES:
+                return t
+        return chosen
+
     def current(self) -> dict[int, float]:
         refined = {t: float(np.median([p] * PRIOR_SAMPLES + list(self.samples[t]))) for t, p in self.prior.items()}
         ratios = [refined[t] / self.prior[t] for t in self.prior if self.samples[t]]
         scale = float(np.median(ratios)) if ratios else 1.0
         return {t: refined[t] if self.samples[t] else p * scale for t, p in self.prior.items()}
+
+    def measured(self) -> tuple[dict[int, float], dict[int, int]]:
+        """What the cache keeps for the next run: each length's refined cost where this run timed it, else
+        its prior unscaled (a guess is not written back as a measurement), and the segments behind each."""
+        refined = self.current()
+        costs = {t: refined[t] if self.samples[t] else p for t, p in self.prior.items()}
+        return costs, {t: self.timed(t) for t in self.prior}
 
 
 def median_seconds_per_round(seconds: Sequence[float], rounds: Sequence[int]) -> float:

@@ -652,7 +652,8 @@ def adaptive_decode(
     """``verify="auto"``: segments of ``DECIDE_EVERY`` rounds (a probe: one; plain rounds: until a probe is
     due; a pinned schedule: one) at the length the policy chose at the end of the previous segment, from
     the prefilled caches to the end. Measured or cached costs are refined by the segments' host timings
-    (``adaptive.CostEstimate``) and written back to the cache.
+    (``adaptive.CostEstimate``) and written back to the cache; while few segments have timed a neighbour of
+    the chosen drafted length, it runs instead (``CostEstimate.explore``).
     ``sampling_args``: key, temperature, top-p, top-k. Returns the final carry, the decode seconds and the
     seconds spent measuring the cost model (0 when given or cached). Every program is compiled (on
     ``clock``) before anything is timed."""
@@ -665,10 +666,10 @@ def adaptive_decode(
     for t in candidates:  # one program per length
         clock.compile(loop_segment, target, proposer, carry, stop_array, jnp.int32(every), unit, verify_len=t,
                       greedy=greedy)  # fmt: skip
-    costs, calibration, key = verify_costs, 0.0, None
+    costs, segments, calibration, key = verify_costs, None, 0.0, None
     if costs is None:
         key = adaptive.costs_key(target, proposer_tag(proposer), carry.counts.shape[0], candidates)
-        costs = adaptive.load_costs(key)
+        costs, segments = adaptive.load_cost_entry(key) or (None, None)
         if costs is None:
             _log.info("measuring verify costs for lengths %s (once per device, model, drafter and batch size; "
                       "cached in %s)", list(candidates), adaptive.COSTS_FILE)
@@ -682,13 +683,15 @@ def adaptive_decode(
             )  # fmt: skip
             calibration = time.perf_counter() - begin
             adaptive.store_costs(key, costs)
-    estimate = adaptive.CostEstimate(costs)
+    estimate = adaptive.CostEstimate(costs, segments)
     policy = adaptive.make_policy(candidates, costs, verify_schedule)
     begin = time.perf_counter()
     choice, probe = adaptive.choose(policy, carry.stats, carry.round.running, carry.round.remaining, carry.iterations)
     alive, until_probe = bool(jnp.any(carry.round.running)), every
     while alive:  # host-driven: a few rounds (a probe: one) at the chosen length, then the next choice
         t = candidates[int(choice)]
+        if key is not None and not bool(probe):  # measured costs are corrected only by running a length
+            t = estimate.explore(t)
         rounds = 1 if bool(probe) else until_probe if t == 1 and verify_schedule is None else every
         segment_begin = time.perf_counter()
         carry, choice, probe, until_probe, alive = loop_segment(
@@ -702,7 +705,7 @@ def adaptive_decode(
             policy = policy.replace(costs=jnp.asarray([refined[c] for c in candidates], jnp.float32))
     carry = jax.block_until_ready(carry)
     if key is not None:  # the cache keeps what decoding measured, for the next run
-        adaptive.store_costs(key, estimate.current())
+        adaptive.store_costs(key, *estimate.measured())
     return carry, start_seconds + time.perf_counter() - begin, calibration
 
 

@@ -667,6 +667,8 @@ class EngineCore:
                     policy, jax.tree.map(lambda a: a[:r], self.stats), active[:r], self.remaining[:r], 0)
                 self._next_length = (policy.lengths[int(index)], bool(probe))
             t, probe = self._next_length
+            if not probe and r in self._estimates:  # a measured cost is corrected only by running its length
+                t = self._estimates[r].explore(t)
         rounds = self.max_rounds if rounds is None else max(1, min(rounds, self.max_rounds))
         rounds = 1 if probe else rounds  # a probe is one round; the policy decides again after it
         start = time.perf_counter()
@@ -721,10 +723,10 @@ class EngineCore:
             return unit, self._forced_length
         costs = self.costs.get(rows)
         if costs is None and not self._warming:
-            costs = adaptive.load_costs(self._costs_key(rows))
+            costs, segments = adaptive.load_cost_entry(self._costs_key(rows)) or (None, None)
             if costs is not None:
                 self.costs[rows] = costs
-                self._estimates[rows] = adaptive.CostEstimate(costs)
+                self._estimates[rows] = adaptive.CostEstimate(costs, segments)
         if rows in self._estimates:
             costs = self._estimates[rows].current()
         if costs is not None:
@@ -744,9 +746,10 @@ class EngineCore:
         samples[length].append(seconds_per_round)
         if all(len(v) > COST_SAMPLES for v in samples.values()):
             costs = {t: float(np.median(v[1:])) for t, v in samples.items()}
+            segments = {t: len(v) - 1 for t, v in samples.items()}
             self.costs[rows] = costs
-            self._estimates[rows] = adaptive.CostEstimate(costs)
-            adaptive.store_costs(self._costs_key(rows), costs)
+            self._estimates[rows] = adaptive.CostEstimate(costs, segments)
+            adaptive.store_costs(self._costs_key(rows), costs, segments)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile every prefill call (rows × width, and the row copies at every row bucket) and step variant

@@ -83,6 +83,7 @@ def main(argv=None) -> None:
                     help="training run dir(s) whose periodic held-out τ (metrics.jsonl) is plotted as a learning curve")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     enable_compilation_cache()
 
     target = load_target(args.target)

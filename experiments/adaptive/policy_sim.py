@@ -1,0 +1,202 @@
+"""Offline study of the adaptive verify policy: greedy acceptance traces replayed under a cost model.
+
+Under greedy decoding the committed text is AR's output whatever lengths the rounds verify, so how many
+proposals verification accepts at position ``p`` depends on ``p`` alone: ``accept[p]`` = leading
+proposals of a full block drafted after ``y[:p]`` (anchor ``y[p]``) that equal ``y[p+1:]``. One batched
+pass per prompt (every prefix a row) gives the whole trace; any policy then replays exactly on the host
+(``simulate``, the segment structure of ``speculative.adaptive_decode``, with ``adaptive.choose`` and
+``adaptive.update`` themselves) with seconds per round at each length measured by fixed-length loops in
+the same run. The seconds are the model's, so the ratios between policies are what this measures, not
+wall time.
+
+    python experiments/adaptive/policy_sim.py --drafter checkpoints/smollm2-135m-dspine-b8 \
+        --prompts-per-domain 4 --out experiments/adaptive/policy_sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspine_jax import bench
+from dspine_jax.decoding import adaptive, speculative
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.decoding.speculative import DrafterProposer, speculative_generate
+from dspine_jax.drafters.io import load_drafter
+from dspine_jax.models.hub import resolve_model_dir
+from dspine_jax.models.target import load_target
+
+ROWS = 16  # prefixes per batched pass
+
+
+def acceptance_trace(target, proposer: DrafterProposer, prompt: list[int], n: int) -> list[int]:
+    """``accept[p]`` for ``p < n``: proposals (of ``block - 1``) verification would accept after AR's
+    first ``p`` tokens."""
+    block = proposer.drafter.config.block_size
+    y = generate(target, [prompt], n + block, stop_ids=[]).token_ids[0]
+    width = len(prompt) + n
+    trace = []
+    for start in range(0, n, ROWS):
+        ps = list(range(start, min(start + ROWS, n)))
+        tokens = np.zeros((ROWS, width), np.int32)
+        lengths = np.ones(ROWS, np.int32)
+        for i, p in enumerate(ps):
+            row = prompt + y[:p]
+            tokens[i, : len(row)], lengths[i] = row, len(row)
+        cache, state, first = speculative.prefill(
+            target, proposer, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), jnp.float32(1.0),
+            jnp.float32(1.0), capacity=width + block, top_k=0, greedy=True,
+        )  # fmt: skip
+        first = np.asarray(first)
+        counts = jnp.asarray([p + 1 for p in ps] + [1] * (ROWS - len(ps)), jnp.int32)
+        out = proposer.propose(target, state, jnp.asarray(first), counts, jax.random.split(jax.random.key(1), ROWS),
+                               Sampling.rows(ROWS), block - 1)  # fmt: skip
+        proposals = np.asarray(out.tokens)
+        for i, p in enumerate(ps):
+            assert first[i] == y[p], "the batched prefix pass disagrees with AR"
+            match = proposals[i] == np.asarray(y[p + 1 : p + block])
+            trace.append(int(np.argmin(match)) if not match.all() else block - 1)
+    return trace
+
+
+@contextlib.contextmanager
+def policy_constants(**values):
+    """Run with some of ``adaptive``'s constants changed (a variant of the policy)."""
+    old = {k: getattr(adaptive, k) for k in values}
+    for k, v in values.items():
+        setattr(adaptive, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(adaptive, k, v)
+
+
+def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None) -> dict:
+    """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants (or a
+    ``fixed`` length): model seconds, rounds and the lengths run."""
+    lengths = tuple(sorted(costs))
+    policy = adaptive.make_policy(lengths, costs)
+    stats = adaptive.init_state(1, max(lengths))
+    running, pos, seconds, rounds, ran = jnp.ones((1,), bool), 1, 0.0, 0, []
+    choice, probe = adaptive.choose(policy, stats, running, jnp.asarray([n - pos]), 0)
+    until_probe = adaptive.FIRST_WAIT
+    while pos < n:
+        t = fixed or lengths[int(choice)]
+        segment = 1 if bool(probe) else until_probe if t == 1 else speculative.DECIDE_EVERY
+        for _ in range(segment if fixed is None else 1):
+            if pos >= n:
+                break
+            accepted = min(trace[pos - 1], t - 1, n - pos - 1) if t > 1 else 0
+            stats = adaptive.update(stats, jnp.int32(t), jnp.asarray([accepted]), running)
+            pos, seconds, rounds = pos + accepted + 1, seconds + costs[t], rounds + 1
+            ran.append(t)
+        remaining = jnp.asarray([max(n - pos, 0)])
+        choice, probe = adaptive.choose(policy, stats, running, remaining, rounds)
+        until_probe = max(int(np.min(np.asarray(stats.wait - stats.idle))), 1)
+    return {"seconds": seconds, "rounds": rounds, "lengths": ran}
+
+
+def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
+    """The least model seconds any sequence of lengths needs (it knows the trace): the headroom of adapting."""
+    best = np.zeros(n + 1)
+    for pos in range(n - 1, 0, -1):
+        best[pos] = min(costs[t] + best[pos + (min(trace[pos - 1], t - 1, n - pos - 1) if t > 1 else 0) + 1] for t in costs)
+    return float(best[1])
+
+
+VARIANTS = {  # name → adaptive constants
+    "auto": {},
+    "auto, decay 0.9": {"DECAY": 0.9},
+    "auto, decide every 8": {},  # (DECIDE_EVERY, set on speculative)
+    "auto, no wait doubling": {"MAX_WAIT": adaptive.FIRST_WAIT},
+}
+
+
+def fixed_costs(target, drafter, prompt: list[int], lengths: tuple[int, ...], n: int, repeats: int) -> dict[int, float]:
+    """Seconds per round of fixed-length loops (T = 1: ``generate``), medians of ``repeats`` interleaved."""
+    samples: dict[int, list[float]] = {t: [] for t in lengths}
+    for _ in range(repeats + 1):  # the first pass compiles
+        for t in lengths:
+            if t == 1:
+                r = generate(target, [prompt], n, stop_ids=[])
+                samples[t].append(r.decode_seconds / (n - 1))
+            else:
+                r = speculative_generate(target, drafter, [prompt], n, stop_ids=[], verify=t)
+                samples[t].append(r.decode_seconds / r.num_iterations)
+    return {t: statistics.median(v[1:]) for t, v in samples.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--drafter", default="checkpoints/smollm2-135m-dspine-b8")
+    ap.add_argument("--data", default="experiments/data/smollm2-v2")
+    ap.add_argument("--prompts-per-domain", type=int, default=4)
+    ap.add_argument("--skip", type=int, default=0,
+                    help="skip each domain's first N held-out prompts (the bench's: tune on others)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--costs", help="ms per round instead of measuring them, e.g. 1:25.3,2:35.5,4:39.1,8:48.0")
+    ap.add_argument("--out", type=Path, default=Path("experiments/adaptive/policy_sim.json"))
+    args = ap.parse_args()
+    n = args.max_new_tokens
+    model_dir = resolve_model_dir(args.model)
+    held = {d: list(v)[args.skip :] for d, v in bench.load_heldout_prompts(args.model, Path(args.data)).items()}
+    prompts = bench.select_prompts(held, args.prompts_per_domain, bench.encoder(model_dir, held))
+    target = load_target(model_dir)
+    drafter = load_drafter(args.drafter, target)
+    proposer = DrafterProposer(drafter)
+    lengths = adaptive.candidate_lengths(drafter.config.block_size)
+    begin = time.perf_counter()
+    if args.costs:
+        costs = {int(t): float(ms) / 1e3 for t, ms in (x.split(":") for x in args.costs.split(","))}
+    else:
+        costs = fixed_costs(target, drafter, prompts[0].ids, lengths, n, args.repeats)
+    print("seconds per round:", {t: round(s * 1e3, 1) for t, s in costs.items()}, file=sys.stderr)
+    traces = []
+    for i, p in enumerate(prompts):
+        traces.append(acceptance_trace(target, proposer, p.ids, n))
+        print(f"[{i + 1}/{len(prompts)}] {p.domain}: mean accept {np.mean(traces[-1]):.2f}", file=sys.stderr)
+    rows: dict[str, dict[str, list[float]]] = {}
+    ar = (n - 1) * costs[1]
+    for name in [f"fixed {t}" for t in lengths if t > 1] + list(VARIANTS):
+        every = 8 if name.endswith("decide every 8") else speculative.DECIDE_EVERY
+        old_every, speculative.DECIDE_EVERY = speculative.DECIDE_EVERY, every
+        try:
+            with policy_constants(**VARIANTS.get(name, {})):
+                for p, trace in zip(prompts, traces):
+                    fixed = int(name.split()[1]) if name.startswith("fixed") else None
+                    got = simulate(trace, n, costs, fixed)
+                    rows.setdefault(name, {}).setdefault(p.domain, []).append(ar / got["seconds"])
+        finally:
+            speculative.DECIDE_EVERY = old_every
+    for p, trace in zip(prompts, traces):
+        rows.setdefault("oracle (knows the trace)", {}).setdefault(p.domain, []).append(ar / oracle_seconds(trace, n, costs))
+    domains = list(dict.fromkeys(p.domain for p in prompts))
+    print("| policy | " + " | ".join(domains) + " | all |\n|---" * 1 + "|---" * (len(domains) + 1) + "|")
+    summary = {}
+    for name, by in rows.items():
+        cells = [float(np.mean(by[d])) for d in domains] + [float(np.mean([x for d in domains for x in by[d]]))]
+        summary[name] = dict(zip(domains + ["all"], cells))
+        print(f"| {name} | " + " | ".join(f"{c:.2f}×" for c in cells) + " |")
+    args.out.write_text(json.dumps({
+        "model": args.model, "drafter": args.drafter, "max_new_tokens": n, "skip": args.skip, "costs": costs,
+        "costs_given": bool(args.costs),
+        "prompts": [{"domain": p.domain, "source": p.source, "trace": t} for p, t in zip(prompts, traces)],
+        "speedup_vs_ar": summary, "seconds": time.perf_counter() - begin, "machine": bench.machine_info(),
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
