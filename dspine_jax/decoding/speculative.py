@@ -690,7 +690,8 @@ def adaptive_decode(
     alive, until_probe = bool(jnp.any(carry.round.running)), every
     while alive:  # host-driven: a few rounds (a probe: one) at the chosen length, then the next choice
         t = candidates[int(choice)]
-        if key is not None and not bool(probe):  # measured costs are corrected only by running a length
+        if key is not None and verify_schedule is None and not bool(probe):  # measured costs are corrected
+            # only by running a length (a pinned schedule is run as pinned)
             t = estimate.explore(t)
         rounds = 1 if bool(probe) else until_probe if t == 1 and verify_schedule is None else every
         segment_begin = time.perf_counter()
