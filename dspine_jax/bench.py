@@ -53,6 +53,18 @@ DEFAULT_PROMPTS = [
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def median_seconds(f: Callable[..., Any], *args: Any, repeats: int) -> float:
+    """Median wall seconds of ``f(*args)`` (outputs ready) over ``repeats`` calls after one warm-up call
+    (compilation): the timer of the profiling scripts in ``experiments/``."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def machine_info() -> dict[str, Any]:
 
     return {

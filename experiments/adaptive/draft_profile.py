@@ -8,13 +8,12 @@ target's verify forward at T = 1, 2, 4, 8 (SmolLM2, batch 1, a 200-token context
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from dspine_jax.bench import median_seconds
 from dspine_jax.decoding import speculative as spec
 from dspine_jax.decoding.sampling import Sampling
 from dspine_jax.drafters import drafter as dr
@@ -25,13 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def timed(f, *args, repeats: int = 30) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    """Median milliseconds of ``f(*args)`` (``bench.median_seconds``)."""
+    return median_seconds(f, *args, repeats=repeats) * 1e3
 
 
 def main() -> None:

@@ -82,9 +82,16 @@ def policy_constants(**values):
             setattr(adaptive, k, v)
 
 
-def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None) -> dict:
-    """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants (or a
-    ``fixed`` length): model seconds, rounds and the lengths run."""
+def committed(trace: list[int], pos: int, t: int, n: int) -> int:
+    """Tokens a round of length ``t`` commits at position ``pos`` (accepted proposals + the target's token),
+    within the budget of ``n``."""
+    return (min(trace[pos - 1], t - 1, n - pos - 1) if t > 1 else 0) + 1
+
+
+def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
+             every: int = speculative.DECIDE_EVERY) -> dict:
+    """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, deciding
+    every ``every`` rounds (or at a ``fixed`` length): model seconds, rounds and the lengths run."""
     lengths = tuple(sorted(costs))
     policy = adaptive.make_policy(lengths, costs)
     stats = adaptive.init_state(1, max(lengths))
@@ -93,13 +100,13 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
     until_probe = adaptive.FIRST_WAIT
     while pos < n:
         t = fixed or lengths[int(choice)]
-        segment = 1 if bool(probe) else until_probe if t == 1 else speculative.DECIDE_EVERY
-        for _ in range(segment if fixed is None else 1):
+        segment = 1 if fixed or bool(probe) else until_probe if t == 1 else every
+        for _ in range(segment):
             if pos >= n:
                 break
-            accepted = min(trace[pos - 1], t - 1, n - pos - 1) if t > 1 else 0
-            stats = adaptive.update(stats, jnp.int32(t), jnp.asarray([accepted]), running)
-            pos, seconds, rounds = pos + accepted + 1, seconds + costs[t], rounds + 1
+            step = committed(trace, pos, t, n)
+            stats = adaptive.update(stats, jnp.int32(t), jnp.asarray([step - 1]), running)
+            pos, seconds, rounds = pos + step, seconds + costs[t], rounds + 1
             ran.append(t)
         remaining = jnp.asarray([max(n - pos, 0)])
         choice, probe = adaptive.choose(policy, stats, running, remaining, rounds)
@@ -111,15 +118,15 @@ def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
     """The least model seconds any sequence of lengths needs (it knows the trace): the headroom of adapting."""
     best = np.zeros(n + 1)
     for pos in range(n - 1, 0, -1):
-        best[pos] = min(costs[t] + best[pos + (min(trace[pos - 1], t - 1, n - pos - 1) if t > 1 else 0) + 1] for t in costs)
+        best[pos] = min(costs[t] + best[pos + committed(trace, pos, t, n)] for t in costs)
     return float(best[1])
 
 
-VARIANTS = {  # name → adaptive constants
-    "auto": {},
-    "auto, decay 0.9": {"DECAY": 0.9},
-    "auto, decide every 8": {},  # (DECIDE_EVERY, set on speculative)
-    "auto, no wait doubling": {"MAX_WAIT": adaptive.FIRST_WAIT},
+VARIANTS = {  # name → (adaptive constants, rounds between decisions)
+    "auto": ({}, speculative.DECIDE_EVERY),
+    "auto, decay 0.9": ({"DECAY": 0.9}, speculative.DECIDE_EVERY),
+    "auto, decide every 8": ({}, 8),
+    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, speculative.DECIDE_EVERY),
 }
 
 
@@ -170,21 +177,22 @@ def main() -> None:
         print(f"[{i + 1}/{len(prompts)}] {p.domain}: mean accept {np.mean(traces[-1]):.2f}", file=sys.stderr)
     rows: dict[str, dict[str, list[float]]] = {}
     ar = (n - 1) * costs[1]
-    for name in [f"fixed {t}" for t in lengths if t > 1] + list(VARIANTS):
-        every = 8 if name.endswith("decide every 8") else speculative.DECIDE_EVERY
-        old_every, speculative.DECIDE_EVERY = speculative.DECIDE_EVERY, every
-        try:
-            with policy_constants(**VARIANTS.get(name, {})):
-                for p, trace in zip(prompts, traces):
-                    fixed = int(name.split()[1]) if name.startswith("fixed") else None
-                    got = simulate(trace, n, costs, fixed)
-                    rows.setdefault(name, {}).setdefault(p.domain, []).append(ar / got["seconds"])
-        finally:
-            speculative.DECIDE_EVERY = old_every
+
+    def record(name: str, domain: str, seconds: float) -> None:
+        rows.setdefault(name, {}).setdefault(domain, []).append(ar / seconds)
+
+    for t in [t for t in lengths if t > 1]:
+        for p, trace in zip(prompts, traces):
+            record(f"fixed {t}", p.domain, simulate(trace, n, costs, fixed=t)["seconds"])
+    for name, (constants, every) in VARIANTS.items():
+        with policy_constants(**constants):
+            for p, trace in zip(prompts, traces):
+                record(name, p.domain, simulate(trace, n, costs, every=every)["seconds"])
     for p, trace in zip(prompts, traces):
-        rows.setdefault("oracle (knows the trace)", {}).setdefault(p.domain, []).append(ar / oracle_seconds(trace, n, costs))
+        record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
     domains = list(dict.fromkeys(p.domain for p in prompts))
-    print("| policy | " + " | ".join(domains) + " | all |\n|---" * 1 + "|---" * (len(domains) + 1) + "|")
+    print("| policy | " + " | ".join(domains) + " | all |")
+    print("|---" * (len(domains) + 2) + "|")
     summary = {}
     for name, by in rows.items():
         cells = [float(np.mean(by[d])) for d in domains] + [float(np.mean([x for d in domains for x in by[d]]))]

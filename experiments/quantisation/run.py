@@ -15,14 +15,13 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspine_jax.bench import load_heldout_prompts, select_prompts
+from dspine_jax.bench import load_heldout_prompts, median_seconds, select_prompts
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.models import quant
 from dspine_jax.models.cache import quantize_kv
@@ -84,17 +83,6 @@ def teacher_logprobs(target: tgt.Target, prompt: list[int], continuation: list[i
     return np.asarray(jax.nn.log_softmax(tgt.lm_logits(target, hidden)[0], axis=-1))
 
 
-def median_us(f, *args, repeats: int) -> float:
-    """Median microseconds of ``f(*args)`` over ``repeats`` calls after one warm-up (compilation) call."""
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def matmul_profile(repeats: int = 20) -> dict[str, dict[str, float]]:
     """Microseconds of one [1, I] @ [I, O] at SmolLM2's shapes: f32, bf16, int8 weights (f32 compute)."""
     rng = np.random.default_rng(0)
@@ -106,7 +94,7 @@ def matmul_profile(repeats: int = 20) -> dict[str, dict[str, float]]:
         cases = {"f32": (jax.jit(lambda x, w: x @ w), x, w),
                  "bf16": (jax.jit(lambda x, w: x @ w), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)),
                  "int8": (jax.jit(lambda x, w: x @ w), x, quant.quantize_int8(w))}
-        out[name] = {case: median_us(f, a, b, repeats=repeats) for case, (f, a, b) in cases.items()}
+        out[name] = {case: median_seconds(f, a, b, repeats=repeats) * 1e6 for case, (f, a, b) in cases.items()}
     return out
 
 
@@ -120,7 +108,7 @@ def attention_profile(slots: int = 1664, repeats: int = 200) -> dict[str, float]
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     cases = {"f32": (jax.jit(cached_attention), (q, k, v, visible)),
              "int8": (jax.jit(cached_attention), (q, kq, vq, visible, ks, vs))}
-    return {case: median_us(f, *args, repeats=repeats) for case, (f, args) in cases.items()}
+    return {case: median_seconds(f, *args, repeats=repeats) * 1e6 for case, (f, args) in cases.items()}
 
 
 def long_context(targets: dict, prompts: list[list[int]], length: int, tokens: int, repeats: int) -> dict[str, dict]:
