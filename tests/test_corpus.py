@@ -218,3 +218,78 @@ def test_captured_features_and_tokens_equal_generate_and_the_forward_pass(tiny_m
         assert f.shape == (len(seq), len(taps) + 1, target.config.hidden_size) and f.dtype == np.float16
         ref = target_features(target, np.asarray([seq]), taps)[0]
         np.testing.assert_allclose(f.astype(np.float32), ref, atol=2e-2, rtol=2e-2)  # float16 storage
+
+
+def test_stdlib_prompts_are_humaneval_style_stubs_and_real_source():
+    import ast
+
+    prompts = corpus.stdlib_code_prompts()
+    assert len(prompts) > 2000 and prompts == corpus.stdlib_code_prompts()  # deterministic
+    assert len({p["source"] for p in prompts}) == len(prompts)
+    fence = re.compile(r"```python\n(.*)```", re.S)
+    for p in prompts[:400]:
+        text = p["messages"][0]["content"]
+        code = fence.search(text).group(1)
+        tree = ast.parse(code)  # every prompt is valid Python
+        node = tree.body[0]
+        if p["source"].startswith("stdlib-explain/"):
+            assert text.startswith("Explain what this Python code does")
+            assert isinstance(node, ast.FunctionDef) and len(node.body) >= 2  # the real body is there
+        else:
+            assert text.startswith("Complete this Python function.")
+            func = node.body[0] if isinstance(node, ast.ClassDef) else node
+            assert isinstance(func, ast.FunctionDef) and len(func.body) == 1  # signature + docstring only
+            assert ast.get_docstring(func) and p["source"].endswith("." + func.name)
+
+
+def test_extend_plan_appends_without_moving_rows(tmp_path, monkeypatch):
+    from dspine_jax.models.tokenizer import load_tokenizer
+
+    rng = np.random.default_rng(5)
+    base = _write_plan(tmp_path, _fake_plan(9, rng))
+    held = {"heldout": {d: [] for d in DOMAINS}, "train": {}}
+    held["heldout"]["code"] = [{"messages": [{"role": "user", "content": "held"}], "source": "humaneval/HumanEval/0",
+                                "key": "k", "prompt_ids": [1]}]  # fmt: skip
+    held["heldout"]["code"][0]["key"] = corpus.prompt_key(held["heldout"]["code"][0])
+    (tmp_path / corpus.HELDOUT_FILE).write_text(json.dumps(held))
+    new = [{"messages": [{"role": "user", "content": c}], "source": f"ext/{i}"}
+           for i, c in enumerate(["a", "held", "q3", "b", "a", "x " * 400])]  # fmt: skip
+    monkeypatch.setitem(corpus.EXTENSIONS, "ext", ("math", lambda: [dict(r) for r in new]))
+    tok = load_tokenizer("smollm2-135m-instruct")
+    # kept: "a" and "b"; dropped: held-out "held", planned "q3", the repeated "a", the over-long prompt
+    assert corpus.extend_plan(tok, tmp_path, "ext", max_prompt_tokens=64) == 2
+    assert corpus.extend_plan(tok, tmp_path, "ext", max_prompt_tokens=64) == 0  # idempotent
+    plan = read_plan(tmp_path)
+    assert [r["key"] for r in plan[: len(base)]] == [r["key"] for r in base]  # shards still name their rows
+    assert [(r["source"], r["domain"]) for r in plan[len(base) :]] == [("ext/0", "math"), ("ext/3", "math")]
+    with pytest.raises(ValueError, match="unknown plan extension"):
+        corpus.extend_plan(tok, tmp_path, "nope", 64)
+
+
+def test_batches_split_a_one_domain_stretch_at_the_batch_size():
+    rng = np.random.default_rng(6)
+    plan = _fake_plan(8, rng) + [dict(r, domain="code") for r in _fake_plan(11, rng)]
+    for i, r in enumerate(plan):
+        r["row"] = i
+    got = corpus.batches(plan, 2)
+    assert all(1 <= len(b) <= 2 and len({r["domain"] for r in b}) == 1 for b in got)
+    assert sorted(r["row"] for b in got for r in b) == list(range(len(plan)))
+
+
+def test_regenerate_rows_only_takes_the_named_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(7)
+    records = _fake_plan(10, rng)
+    for i, r in enumerate(records):
+        r["source"] = f"{'ext' if i % 3 == 0 else 'fake'}/{i}"
+    plan = _write_plan(tmp_path / "c", records)
+    for p, r in zip(plan, records):
+        p["prompt_ids"] = r["prompt_ids"]
+
+    def fake_batch(target, prompts, max_new_tokens, taps):
+        return [[5, 6]] * len(prompts), ["stop"] * len(prompts), [np.zeros((len(p) + 2, 2, 4)) for p in prompts]
+
+    monkeypatch.setattr(corpus, "regenerate_batch", fake_batch)
+    target = type("T", (), {"model_dir": "tiny"})()
+    corpus.regenerate_rows(target, plan, tmp_path / "c", 10**6, 2, 2, progress=False, taps=(0,), only=("ext",))
+    assert sorted(r["source"] for r in load_sequences(tmp_path / "c")) == sorted(r["source"] for r in records if r["source"].startswith("ext/"))

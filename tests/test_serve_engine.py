@@ -294,6 +294,31 @@ def test_long_prompts_are_chunked_on_a_hybrid_target(tmp_path):
     assert core.prefix_stats().hits == 1
 
 
+@pytest.mark.parametrize("kind", [None, "dspine"])
+def test_hybrid_prompts_sharing_a_head_start_from_its_last_chunk_snapshot(tmp_path, kind):
+    """A hybrid row is usable only whole, so prompts that share a head but not the rest would share nothing;
+    the snapshots kept after each prefill chunk let the second prompt start from the last chunk boundary
+    inside the shared head (and its drafter context from the same point). Output equals ``generate``'s."""
+    from test_hybrid import make_tiny_hybrid
+
+    target = load_target(make_tiny_hybrid("qwen3_5_text", tmp_path / "q35", seed=0)[0])
+    drafter = init_drafter(target, kind, num_layers=1, block_size=4, top_k=8, seed=3) if kind else None
+    core = EngineCore(target, drafter, num_slots=1, context_length=160, stop_ids=[], max_prompt_bucket=32,
+                      prefill_chunk=32, prefix_cache_bytes=1 << 30)  # fmt: skip
+    core.warmup()  # compiles the snapshot copies too: nothing compiles while serving
+    compiled = eng.take_row._cache_size()
+    head = [1] + [(5 * i + 2) % 100 + 3 for i in range(70)]  # 71 tokens: chunk boundaries at 32 and 64
+    prompts = [head + [11, 12, 13, 14], head + [21, 22]]
+    got, _, _ = run_engine(core, prompts, [6, 6])
+    assert got == [generate(target, [p], 6, stop_ids=[]).token_ids[0] for p in prompts]
+    assert eng.take_row._cache_size() == compiled
+    stats = core.prefix_stats()
+    assert (stats.lookups, stats.hits, stats.hit_tokens) == (2, 1, 64)
+    # The snapshots of the second prompt's own chunks replaced the first one's (same tokens): no duplicates.
+    tokens = [tuple(e.tokens) for e in core.prefix_cache.entries.values()]
+    assert len(tokens) == len(set(tokens))
+
+
 def test_plan_batch_fills_the_budget_with_rows_whose_chunk_fits():
     widths, sizes = [32, 64, 128, 256], [1, 2, 4, 8]
     # Eight short prompts (40 tokens → width 64): four share a 256-token call, none is a padding row.

@@ -162,6 +162,12 @@ def read_rows(target: tgt.Target, proposer: Proposer, cache, pstate, slots: Arra
     return jax.tree.map(pick, (rows, prows), empty)
 
 
+@jax.jit
+def take_row(rows, prows, i: Array):
+    """Row ``i`` of a ``P``-row batch as a batch-1 copy (a prefix-cache snapshot)."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=0), (rows, prows))
+
+
 @functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
 def write_rows(cache, pstate, rows, prows, slots: Array):
     """The ``P``-row batch ``rows`` / ``prows`` written into rows ``slots [P]`` (distinct) of the slots'
@@ -580,7 +586,27 @@ class EngineCore:
             self.lengths[s] += int(counts[i])
             if self.lengths[s] == len(job.prompt):
                 finished[s] = self._start_decoding(s, self.prefilling.pop(s), int(first[i]))
+            elif self._chunk_snapshots and not self._warming:
+                self._prefix_snapshot(job.prompt[: self.lengths[s]], batch, pbatch, i)
+        if self._chunk_snapshots and self._warming:  # compile the snapshot copy for this (P, capacity)
+            self._prefix_snapshot(None, batch, pbatch, 0)
         return finished
+
+    @property
+    def _chunk_snapshots(self) -> bool:
+        """A hybrid target's rows are usable only whole (its GDN state exists at the row's end only), so a
+        finished request's row serves only prompts extending all of it. With the prefix cache on, the row of
+        a prompt is also kept after each of its prefill chunks (the seed's "extra buffer" snapshots at chunk
+        boundaries): prompts sharing a long head (a system prompt, a replayed transcript) start from the
+        last chunk boundary they share. Dense rows truncate to any prefix: their finished rows serve already."""
+        return self.prefix_cache is not None and not getattr(self.cache, "prefix_truncatable", False)
+
+    def _prefix_snapshot(self, tokens: list[int] | None, batch, pbatch, i: int) -> None:
+        """Keep row ``i`` of a prefilled batch, holding ``tokens`` (None: only compile the copy)."""
+        with use_mesh(self.mesh):
+            row, prow = take_row(batch, pbatch, jnp.int32(i))
+        if tokens is not None:
+            self.prefix_cache.insert(tokens, row, prow, truncatable=False)
 
     def _start_decoding(self, slot: int, job: Prefill, first: int) -> tuple[int, str | None]:
         """The slot's prompt is in its caches and ``first`` sampled: it runs from the next step."""

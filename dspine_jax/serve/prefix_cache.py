@@ -9,7 +9,8 @@ Which prefixes of an entry are usable:
 - dense targets keep any prefix: K/V of positions ``< m`` do not depend on later tokens, so setting
   ``lengths = m`` truncates (``prefix_truncatable``);
 - hybrid targets' recurrent (GDN) state exists only after the entry's last token: the prompt must extend
-  the whole entry (a snapshot per entry, the seed's "extra buffer" strategy at request granularity);
+  the whole entry. So for them the engine also keeps a snapshot after every prefill chunk of a prompt
+  (the seed's "extra buffer" strategy): prompts that share a head start from its last chunk boundary;
 - a drafter's context ring truncates like K/V while it has not wrapped (entry length ≤ ring slots).
 
 At least one prompt token is always left to prefill (its logits give the first new token). Entries live
@@ -86,9 +87,10 @@ class PrefixCache:
         nbytes = sum(x.nbytes for x in jax.tree.leaves((row, prow)))
         if len(tokens) < 2 or nbytes > self.budget:
             return
-        if truncatable:
-            for key in [k for k, e in self.entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
-                self._drop(key)
+        same = lambda e: len(e.tokens) == len(tokens) and common_prefix(e.tokens, tokens) == len(tokens)  # noqa: E731
+        covered = lambda e: common_prefix(e.tokens, tokens) == len(e.tokens)  # noqa: E731
+        for key in [k for k, e in self.entries.items() if (covered(e) if truncatable else same(e))]:
+            self._drop(key)  # a row with the same tokens (or, truncatable, a prefix of them) is superseded
         self.entries[self._next_id] = Entry(tokens, row, prow, nbytes, truncatable)
         self._next_id += 1
         self.stats.bytes += nbytes

