@@ -330,6 +330,21 @@ class StepResult:
     verify_lengths: list[int] = dataclasses.field(default_factory=list)  # per round of the step (1: no drafting)
 
 
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched engine step (``EngineCore.launch``): its device outputs and what ``collect`` needs."""
+
+    outputs: list  # step()'s outputs after the caches, device arrays not yet read
+    active: np.ndarray  # [S] the slots that ran
+    n: int  # how many
+    rows: int  # the row bucket
+    length: int  # the verify length
+    policy: VerifyPolicy
+    chosen: bool  # the length is the policy's (not fixed, warmup's or calibration's)
+    calibrating: bool
+    start: float  # perf_counter at dispatch
+
+
 class EngineCore:
     """Slots + persistent caches + the jitted functions. Not thread-safe: call from one thread."""
 
@@ -677,10 +692,17 @@ class EngineCore:
 
     def step(self, rounds: int | None = None) -> StepResult:
         """Up to ``rounds`` rounds (default ``max_rounds``) for every running slot in one device call."""
+        pending = self.launch(rounds)
+        return self.collect(pending) if pending is not None else StepResult({}, {}, [], 0)
+
+    def launch(self, rounds: int | None = None) -> PendingStep | None:
+        """Dispatch a step (``step``'s first half) without waiting for it: the host can stream the previous
+        step's tokens while the device runs this one. Until ``collect``, the slots' caches are the step's
+        (future) outputs and no slot may be admitted or released. None: no slot runs."""
         active = self.running.copy()
         n = int(active.sum())
         if n == 0:
-            return StepResult({}, {}, [], 0)
+            return None
         self._fit(self._highest_occupied(), self._needed_positions())  # grows as rows advance, shrinks after releases
         r = self.rows
         policy, t = self.policy_for(n, r)
@@ -699,19 +721,24 @@ class EngineCore:
         rounds = 1 if probe else rounds  # a probe is one round; the policy decides again after it
         start = time.perf_counter()
         with use_mesh(self.mesh):
-            self.cache, self.pstate, emitted, n_keep, _, hit_stop, done, key_next, stats, choice, probe = step(
+            self.cache, self.pstate, *outputs = step(
                 self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
                 jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
                 jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, jnp.int32(rounds),
                 policy, jax.tree.map(lambda a: a[:r], self.stats), verify_len=t, max_rounds=self.max_rounds,
             )
-        emitted, n_keep, hit_stop, done, key_next, stats, choice, probe = jax.device_get(
-            (emitted, n_keep, hit_stop, done, key_next, stats, choice, probe))
-        if calibrating and int(done):
-            self._record_cost(r, t, (time.perf_counter() - start) / int(done))
-        elif chosen and r in self._estimates:
-            self._estimates[r].observe(t, time.perf_counter() - start, int(done))
-        self._next_length = (policy.lengths[int(choice)], bool(probe)) if chosen else None
+        return PendingStep(outputs, active, n, r, t, policy, chosen, calibrating, start)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step and replay its rounds on the host mirror (``step``'s second half)."""
+        emitted, n_keep, _, hit_stop, done, key_next, stats, choice, probe = jax.device_get(pending.outputs)
+        r, t, active, policy = pending.rows, pending.length, pending.active, pending.policy
+        seconds = time.perf_counter() - pending.start
+        if pending.calibrating and int(done):
+            self._record_cost(r, t, seconds / int(done))
+        elif pending.chosen and r in self._estimates:
+            self._estimates[r].observe(t, seconds, int(done))
+        self._next_length = (policy.lengths[int(choice)], bool(probe)) if pending.chosen else None
         self.stats = jax.tree.map(lambda a, b: _set_rows(a, b), self.stats, stats)
         self.key_data[:r] = np.asarray(key_next, np.uint32)
         tokens, finished, accepted = {int(i): [] for i in np.flatnonzero(active)}, {}, []
@@ -734,7 +761,7 @@ class EngineCore:
                     finished[i] = "length"
                 if i in finished:
                     self.running[i] = False
-        return StepResult(tokens, finished, accepted, n, [t] * int(done))
+        return StepResult(tokens, finished, accepted, pending.n, [t] * int(done))
 
     # -- adaptive verification
     def policy_for(self, batch: int, rows: int) -> tuple[VerifyPolicy, int | None]:

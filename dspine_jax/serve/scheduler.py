@@ -4,8 +4,10 @@ Every JAX call happens on that thread. A request is queued (bounded: ``QueueFull
 into a free slot between engine steps, prefilled in chunks (one batched prefill call per iteration, shared
 with the other prompts being prefilled, between decode steps), and fed text deltas through an ``asyncio.Queue``
 (``loop.call_soon_threadsafe``). Detokenization and stop strings (``TextStream``) run per request on the
-worker, so a stop string frees the slot in the same step; a cancelled request's slot is freed before
-the next step.
+worker **while the device runs the next step** (``EngineCore.launch`` / ``collect``): a step's tokens are
+streamed out after the following step is dispatched. Slots freed meanwhile (a stop string, a finished or
+failed request) are released once that step is collected, and its tokens for them are dropped; a
+cancelled request's slot is freed before the next step.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class GenRequest:
     first_token_time: float | None = None
     num_generated: int = 0
     stream: TextStream | None = None
+    finished: bool = False
 
     def emit(self, event: tuple) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -113,6 +116,9 @@ class AsyncEngine:
         self.active: dict[int, GenRequest] = {}
         self.cond = threading.Condition()
         self.stopping = False
+        self.in_flight = False  # a step is dispatched and not collected: releases wait for it
+        self.release_after_step: list[int] = []
+        self.undelivered: list[tuple[GenRequest, list[int], str | None]] = []  # the last step's, streamed during the next
         self.thread = threading.Thread(target=self._run, name="dspine-engine", daemon=True)
 
     def start(self) -> None:
@@ -141,12 +147,19 @@ class AsyncEngine:
 
     # -- worker thread
     def _finish(self, req: GenRequest, reason: str, status: str = "ok") -> None:
+        if req.finished:
+            return
+        req.finished = True
         if req.slot is not None:
             self.active.pop(req.slot, None)
-            try:
-                self.core.release(req.slot)
-            finally:
+            if self.in_flight:  # the slot's caches belong to the step in flight: release it once collected
+                self.release_after_step.append(req.slot)
                 req.slot = None
+            else:
+                try:
+                    self.core.release(req.slot)
+                finally:
+                    req.slot = None
         if status == "ok":
             req.emit(("done", reason, req.num_generated))
         self.metrics.request(req.endpoint, status)
@@ -162,6 +175,8 @@ class AsyncEngine:
 
     def _deliver(self, req: GenRequest, tokens: list[int], reason: str | None) -> None:
         """New tokens for ``req``: text delta, stop strings, completion."""
+        if req.finished:  # cancelled or failed meanwhile
+            return
         if req.first_token_time is None and tokens:
             req.first_token_time = time.monotonic()
             self.metrics.ttft.observe(req.first_token_time - req.arrival)
@@ -204,7 +219,7 @@ class AsyncEngine:
         core = self.core
         while True:
             with self.cond:
-                while not self.stopping and not self.waiting and not self.active:
+                while not self.stopping and not self.waiting and not self.active and not self.undelivered:
                     self.cond.wait(timeout=1.0)
                 if self.stopping:
                     return
@@ -212,11 +227,14 @@ class AsyncEngine:
                 self._iteration(core)
             except Exception as e:  # never let the worker die: fail what is in flight, start clean
                 traceback.print_exception(e)
-                for req in list(self.active.values()):
+                for req in {id(r): r for r in [*self.active.values(), *(u[0] for u in self.undelivered)]}.values():
                     req.slot = None  # the reset below frees every slot
-                    req.emit(("error", f"internal error while generating: {type(e).__name__}: {e}"))
-                    self.metrics.request(req.endpoint, "error")
+                    if not req.finished:
+                        req.finished = True
+                        req.emit(("error", f"internal error while generating: {type(e).__name__}: {e}"))
+                        self.metrics.request(req.endpoint, "error")
                 self.active.clear()
+                self.in_flight, self.release_after_step, self.undelivered = False, [], []
                 try:
                     core.reset()
                 except Exception as e2:
@@ -252,21 +270,47 @@ class AsyncEngine:
         # One prefill call (at most ``prefill_chunk`` tokens, several prompts together), then one step: a long
         # prompt goes in chunk by chunk while the running requests keep decoding.
         if core.num_prefilling():
+            self._deliver_step()  # (a prefill call is not overlapped: stream the last step first)
             for slot, (first, reason) in core.prefill().items():
                 self._deliver_to(slot, [first], reason)
         self.metrics.running = len(self.active)
         if core.num_running() == 0:
+            self._deliver_step()
             return
         start = time.perf_counter()
         # While prompts are being prefilled or wait for a free slot, one round per step, so their chunks
         # (first tokens) come soon; else up to ``max_rounds`` (a request arriving meanwhile waits that long).
         with self.cond:
             admitting = bool(self.waiting) and core.free_slot() is not None
-        result = core.step(rounds=1 if core.num_prefilling() or admitting else None)
+        self.in_flight = True
+        try:
+            pending = core.launch(rounds=1 if core.num_prefilling() or admitting else None)
+            self._deliver_step()  # detokenise and stream the last step while this one runs
+            result = core.collect(pending)
+        finally:
+            self.in_flight = False
+            released, self.release_after_step = self.release_after_step, []
+            for slot in released:
+                core.release(slot)
         self.metrics.record_step(result.accepted, time.perf_counter() - start, result.verify_lengths)
-        for slot, tokens in result.tokens.items():
-            self._deliver_to(slot, tokens, result.finished.get(slot))
+        # Streamed during the next step, by request: a slot the device finished is free for admission now.
+        self.undelivered = [(self.active[slot], tokens, result.finished.get(slot))
+                            for slot, tokens in result.tokens.items() if slot in self.active]  # fmt: skip
+        for slot in result.finished:
+            req = self.active.pop(slot, None)
+            if req is not None:
+                req.slot = None
+                core.release(slot)
         self.metrics.running = len(self.active)
+
+    def _deliver_step(self) -> None:
+        """Stream out the last collected step's tokens (text deltas, stop strings, completions)."""
+        pending, self.undelivered = self.undelivered, []
+        for req, tokens, reason in pending:
+            try:
+                self._deliver(req, tokens, reason)
+            except Exception as e:
+                self._fail(req, e)
 
     def _deliver_to(self, slot: int, tokens: list[int], reason: str | None) -> None:
         """``_deliver`` to the request in ``slot``; a failure fails only that request."""
