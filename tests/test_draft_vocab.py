@@ -177,6 +177,32 @@ def test_training_ce_is_over_the_restricted_head(target):
     assert float(loss) == pytest.approx(float((ce * weights).sum() / weights.sum()), rel=1e-4)
 
 
+@pytest.mark.parametrize("restricted", [True, False])
+def test_teacher_is_the_target_renormalised_over_the_draft_vocabulary(target, restricted):
+    """The L1 / refinement teacher of a draft-vocabulary drafter is the target's distribution restricted to the
+    vocabulary and renormalised (EAGLE-3's reduced-vocabulary target), indexed like the unary logits; without
+    a vocabulary it is the full softmax. Checked against the full-vocabulary softmax in float64."""
+    from types import SimpleNamespace
+
+    from dspine_jax.train.loop import teacher_probs
+
+    ids = vocab_ids(8)
+    drafter = make_drafter(target, "dspine", ids if restricted else None)
+    rng = np.random.default_rng(9)
+    hidden = rng.standard_normal((1, 12, target.config.hidden_size)).astype(np.float32)
+    source = jnp.asarray(rng.integers(1, 12, (1, 2, 3)), jnp.int32)  # [B, A, P] slot positions
+    terms = SimpleNamespace(drafter=drafter, source=source, teacher_hidden=jnp.asarray(hidden), lm_head=target.params.lm_head)
+    got = np.asarray(teacher_probs(terms), np.float64)
+    logits = hidden[0].astype(np.float64) @ np.asarray(target.params.lm_head, np.float64)  # [S, V]
+    full = np.exp(logits - logits.max(-1, keepdims=True))
+    full /= full.sum(-1, keepdims=True)
+    want = full[np.asarray(source)[0] - 1]  # the token at p is predicted at p - 1
+    if restricted:
+        want = want[..., ids] / want[..., ids].sum(-1, keepdims=True)
+    assert got.shape == (1, 2, 3, len(ids) if restricted else target.config.vocab_size)
+    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dspine"])  # the objective with the most vocabulary mapping (refinement over ids)
 def test_tiny_training_with_a_draft_vocab(target, tmp_path, kind):

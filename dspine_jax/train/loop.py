@@ -97,12 +97,6 @@ class ObjectiveTerms(NamedTuple):
     lm_head: Array  # [H, V]
 
 
-def draft_columns(drafter: Drafter, x: Array) -> Array:
-    """``x [..., V]`` → its columns for the drafter's vocabulary ``[..., Vd]`` (all of ``x`` without one)."""
-    ids = drafter.params.draft_ids
-    return x if ids is None else jnp.take(x, ids, axis=-1)
-
-
 def draft_index(drafter: Drafter, tokens: Array) -> Array:
     """Token ids → their index in the drafter's vocabulary (``unary_logits``' last axis), -1 outside it."""
     ids = drafter.params.draft_ids
@@ -121,12 +115,16 @@ def unary_candidates(terms: ObjectiveTerms) -> tuple[Array, Array]:
 
 
 def teacher_probs(terms: ObjectiveTerms) -> Array:
-    """The target's next-token distribution ``[B, A, P, V]`` for every supervised slot (no gradient): the
-    distribution of the token at position p is read at position p-1."""
+    """The target's next-token distribution over the **drafter's vocabulary** ``[B, A, P, Vd]`` (``V`` without a
+    draft vocabulary) for every supervised slot (no gradient): the distribution of the token at position p is
+    read at position p-1. With a draft vocabulary the target's logits are restricted to it and renormalised
+    (EAGLE-3's reduced-vocabulary target): the drafter can only ever propose those tokens, and the teacher
+    costs ``Vd/V`` of the full head (the teacher was about a third of a training step's work)."""
     b, a, p = terms.source.shape
     idx = jnp.maximum(terms.source - 1, 0).reshape(b, a * p)
     teacher_h = jnp.take_along_axis(terms.teacher_hidden, idx[..., None], axis=1).reshape(b, a, p, -1)
-    logits = jnp.matmul(teacher_h, terms.lm_head, preferred_element_type=jnp.float32)
+    head = terms.drafter.params.draft_head
+    logits = jnp.matmul(teacher_h, terms.lm_head if head is None else head, preferred_element_type=jnp.float32)
     return jax.lax.stop_gradient(jax.nn.softmax(logits, axis=-1))
 
 
@@ -135,16 +133,16 @@ def dspine_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     last-write refinement loss over the detached top-K, and β-weighted cosine alignment (losses.py)."""
     drafter, fwd, lab, weights = terms.drafter, terms.fwd, terms.labels[..., 1:], terms.weights
     settings, kind = drafter.config.dspine_settings, drafter.kind
-    teacher = teacher_probs(terms)
-    l1 = l1_terms(terms.logp, draft_columns(drafter, teacher), weights)
-    _, cand = unary_candidates(terms)  # [B, A, P, K]
+    teacher = teacher_probs(terms)  # [B, A, P, Vd]: indexed like the unary logits
+    l1 = l1_terms(terms.logp, teacher, weights)
+    index, cand = unary_candidates(terms)  # [B, A, P, K]
     refined = kind.refine(drafter, fwd.pre_injection[:, :, 1:], terms.labels[..., :-1])  # true predecessors
     scores = jnp.einsum(
         "baph,bapkh->bapk", refined, head_rows(terms.lm_head, cand), preferred_element_type=jnp.float32
     )
     ce_weight = settings["ce_weight"]
     refinement, covered = refinement_terms(
-        scores, cand, lab, teacher, weights, ce_weight, settings["candidate_mass_threshold"]
+        scores, index, draft_index(drafter, lab), teacher, weights, ce_weight, settings["candidate_mass_threshold"]
     )
     codes_lab = jax.lax.stop_gradient(kind.code(drafter, lab))
     alignment = alignment_terms(fwd.layer_features[:, :, :, 1:], codes_lab, weights)
@@ -176,7 +174,8 @@ def dflash2_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     unary = jnp.take_along_axis(terms.logits, index, axis=-1)
     scores = drafter.kind.selector_scores(drafter, fwd.hidden[:, :, 1:], unary, cand, terms.labels[..., :-1, None])
     selector, covered = refinement_terms(
-        scores[..., 0, :], cand, lab, teacher_probs(terms), weights, SELECTOR_CE_WEIGHT, SELECTOR_MASS_THRESHOLD
+        scores[..., 0, :], index, draft_index(drafter, lab), teacher_probs(terms), weights, SELECTOR_CE_WEIGHT,
+        SELECTOR_MASS_THRESHOLD,
     )
     metrics = dict(selector=selector / terms.denominator, coverage=jnp.sum(covered & terms.supervised) / terms.count)
     return terms.ce + selector, metrics

@@ -55,7 +55,8 @@ def refinement_terms(
     ce_weight: float = 0.1,
     mass_threshold: float = 1e-4,
 ) -> tuple[Array, Array]:
-    """``scores [..., K]`` refined logits over ``cand_ids [..., K]``; ``teacher [..., V]`` probabilities.
+    """``scores [..., K]`` refined logits over ``cand_ids [..., K]``; ``teacher [..., V]`` probabilities, indexed
+    like ``cand_ids`` and ``labels`` (token ids, or indices into a draft vocabulary; a label outside it is -1).
     Returns the weighted numerator and the per-slot coverage (label among candidates)."""
     logq = jax.nn.log_softmax(scores.astype(jnp.float32), axis=-1)
     target = jnp.take_along_axis(teacher, cand_ids, axis=-1)
