@@ -118,7 +118,8 @@ class AsyncEngine:
         self.stopping = False
         self.in_flight = False  # a step is dispatched and not collected: releases wait for it
         self.release_after_step: list[int] = []
-        self.undelivered: list[tuple[GenRequest, list[int], str | None]] = []  # the last step's, streamed during the next
+        # the last step's tokens (request, tokens, finish reason), streamed out while the next step runs
+        self.undelivered: list[tuple[GenRequest, list[int], str | None]] = []
         self.thread = threading.Thread(target=self._run, name="dspine-engine", daemon=True)
 
     def start(self) -> None:

@@ -21,7 +21,6 @@ the choice is ``T = 1``. This script measures whether that can pay, before build
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -30,57 +29,20 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from policy_sim import ROWS, committed, fixed_costs, oracle_seconds, simulate  # this folder is on sys.path when run
+from policy_sim import (  # this folder is on sys.path when run
+    acceptance_trace,
+    committed,
+    greedy_draft_with_confidence,
+    load_study,
+    oracle_seconds,
+    print_table,
+    simulate,
+    study_parser,
+)
 
 from dspine_jax import bench
 from dspine_jax.decoding import adaptive, speculative
-from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.speculative import DrafterProposer
-from dspine_jax.drafters import drafter as drafter_mod
-from dspine_jax.drafters.io import load_drafter
-from dspine_jax.models.hub import resolve_model_dir
-from dspine_jax.models.target import load_target
-
-
-@jax.jit
-def greedy_draft_with_confidence(drafter, target, state, anchor):
-    """The greedy walk's proposals ``[B, P]`` and the softmax probability of each chosen candidate ``[B, P]``."""
-    fwd = drafter_mod.forward(drafter, target, state, drafter_mod.block_tokens(drafter, anchor))
-    cands = drafter.kind.candidates(drafter, target, fwd, anchor)
-    keys = jnp.zeros((cands.cand_ids.shape[1],), jnp.uint32)
-
-    def pick(scores, _key):
-        best = jnp.argmax(scores, axis=-1).astype(jnp.int32)
-        return best, jax.nn.softmax(scores, axis=-1)
-
-    tokens, q = drafter.kind.select(cands, keys, pick)  # token ids, the walk's distributions
-    return tokens, jnp.max(q, axis=-1)
-
-
-def trace_with_confidence(target, proposer: DrafterProposer, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """``accept[p]`` as in ``policy_sim.acceptance_trace`` and ``conf [n, P]``."""
-    drafter = proposer.drafter
-    block = drafter.config.block_size
-    y = generate(target, [prompt], n + block, stop_ids=[]).token_ids[0]
-    width = len(prompt) + n
-    accept, conf = [], []
-    for start in range(0, n, ROWS):
-        ps = list(range(start, min(start + ROWS, n)))
-        tokens = np.zeros((ROWS, width), np.int32)
-        lengths = np.ones(ROWS, np.int32)
-        for i, p in enumerate(ps):
-            row = prompt + y[:p]
-            tokens[i, : len(row)], lengths[i] = row, len(row)
-        _, state, first = speculative.prefill(
-            target, proposer, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), jnp.float32(1.0),
-            jnp.float32(1.0), capacity=width + block, top_k=0, greedy=True,
-        )  # fmt: skip
-        proposals, c = jax.device_get(greedy_draft_with_confidence(drafter, target, state, first))
-        for i, p in enumerate(ps):
-            match = proposals[i] == np.asarray(y[p + 1 : p + block])
-            accept.append(int(np.argmin(match)) if not match.all() else block - 1)
-            conf.append(c[i])
-    return accept, np.asarray(conf)
 
 
 def expected(conf_row: np.ndarray, t: int, budget: int) -> float:
@@ -128,36 +90,17 @@ def time_draft(target, proposer: DrafterProposer, prompt: list[int], repeats: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--drafter", default="checkpoints/smollm2-135m-dspine-b8")
-    ap.add_argument("--data", default="experiments/data/smollm2-v2")
-    ap.add_argument("--prompts-per-domain", type=int, default=4)
-    ap.add_argument("--skip", type=int, default=2, help="skip each domain's first N held-out prompts (the bench's)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--costs", help="ms per round instead of measuring them, e.g. 1:25.3,2:35.5,4:39.1,8:48.0")
+    ap = study_parser(__doc__.splitlines()[0], "experiments/adaptive/confidence_sim.json", skip=2)
     ap.add_argument("--draft-ms", type=float, help="ms of one draft instead of measuring it")
     ap.add_argument("--traces", type=Path, help="reuse the traces of an earlier --out (its drafter and prompts)")
     ap.add_argument("--split-ms", type=float, default=0.5, help="extra dispatch + read-back per round (host split)")
-    ap.add_argument("--out", type=Path, default=Path("experiments/adaptive/confidence_sim.json"))
     args = ap.parse_args()
     n = args.max_new_tokens
-    model_dir = resolve_model_dir(args.model)
-    held = {d: list(v)[args.skip :] for d, v in bench.load_heldout_prompts(args.model, Path(args.data)).items()}
-    prompts = bench.select_prompts(held, args.prompts_per_domain, bench.encoder(model_dir, held))
-    target = load_target(model_dir)
-    drafter = load_drafter(args.drafter, target)
-    proposer = DrafterProposer(drafter)
-    lengths = adaptive.candidate_lengths(drafter.config.block_size)
     begin = time.perf_counter()
-    if args.costs:
-        costs = {int(t): float(ms) / 1e3 for t, ms in (x.split(":") for x in args.costs.split(","))}
-    else:
-        costs = fixed_costs(target, drafter, prompts[0].ids, lengths, n, args.repeats)
+    prompts, target, proposer, lengths, costs = load_study(args)
     draft = args.draft_ms / 1e3 if args.draft_ms else time_draft(target, proposer, prompts[0].ids, args.repeats)
     split = args.split_ms / 1e3
-    print("ms per round:", {t: round(s * 1e3, 1) for t, s in costs.items()}, f"draft {draft * 1e3:.1f}", file=sys.stderr)
+    print(f"draft {draft * 1e3:.1f} ms", file=sys.stderr)
     rows: dict[str, dict[str, list[float]]] = {}
     ar = (n - 1) * costs[1]
     calibration, traces = [], []
@@ -166,9 +109,9 @@ def main() -> None:
         if earlier:
             trace, conf = earlier[i]["accept"], np.asarray(earlier[i]["confidence"])
         else:
-            trace, conf = trace_with_confidence(target, proposer, p.ids, n)
+            trace, conf = acceptance_trace(target, proposer, p.ids, n, confidence=True)
         traces.append({"domain": p.domain, "source": p.source, "accept": trace, "confidence": np.round(conf, 4).tolist()})
-        # calibration: P(slot i accepted | slots < i accepted) against the mean confidence there
+        # calibration: P(slot i accepted | slots < i accepted) against the confidence there
         for pos in range(1, n):
             for k in range(min(trace[pos - 1] + 1, len(conf[pos - 1]))):
                 calibration.append((float(conf[pos - 1][k]), int(k < trace[pos - 1])))
@@ -180,14 +123,7 @@ def main() -> None:
         for name, s in results.items():
             rows.setdefault(name, {}).setdefault(p.domain, []).append(ar / s)
         print(f"[{i + 1}/{len(prompts)}] {p.domain}: mean accept {np.mean(trace):.2f}", file=sys.stderr)
-    domains = list(dict.fromkeys(p.domain for p in prompts))
-    print("| policy | " + " | ".join(domains) + " | all |")
-    print("|---" * (len(domains) + 2) + "|")
-    summary = {}
-    for name, by in rows.items():
-        cells = [float(np.mean(by[d])) for d in domains] + [float(np.mean([x for d in domains for x in by[d]]))]
-        summary[name] = dict(zip(domains + ["all"], cells))
-        print(f"| {name} | " + " | ".join(f"{c:.2f}×" for c in cells) + " |")
+    summary = print_table(rows, prompts)
     bins = np.linspace(0, 1, 6)
     conf_arr = np.asarray(calibration)
     table = []

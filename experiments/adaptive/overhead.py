@@ -22,8 +22,8 @@ from dspine_jax.decoding import speculative as spec
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models.target import load_target
-from dspine_jax.train.data import encode_messages
 from dspine_jax.models.tokenizer import load_tokenizer
+from dspine_jax.train.data import encode_messages
 
 ROOT = Path(__file__).resolve().parents[2]
 

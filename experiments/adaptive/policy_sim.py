@@ -32,6 +32,7 @@ from dspine_jax.decoding import adaptive, speculative
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.sampling import Sampling
 from dspine_jax.decoding.speculative import DrafterProposer, speculative_generate
+from dspine_jax.drafters import drafter as drafter_mod
 from dspine_jax.drafters.io import load_drafter
 from dspine_jax.models.hub import resolve_model_dir
 from dspine_jax.models.target import load_target
@@ -39,13 +40,29 @@ from dspine_jax.models.target import load_target
 ROWS = 16  # prefixes per batched pass
 
 
-def acceptance_trace(target, proposer: DrafterProposer, prompt: list[int], n: int) -> list[int]:
+@jax.jit
+def greedy_draft_with_confidence(drafter, target, state, anchor):
+    """The greedy walk's proposals ``[B, P]`` and the softmax probability of each chosen candidate ``[B, P]``
+    (the drafter's confidence; ``confidence_sim.py``)."""
+    fwd = drafter_mod.forward(drafter, target, state, drafter_mod.block_tokens(drafter, anchor))
+    cands = drafter.kind.candidates(drafter, target, fwd, anchor)
+    keys = jnp.zeros((cands.cand_ids.shape[1],), jnp.uint32)
+
+    def pick(scores, _key):
+        best = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+        return best, jax.nn.softmax(scores, axis=-1)
+
+    tokens, q = drafter.kind.select(cands, keys, pick)  # token ids, the walk's distributions
+    return tokens, jnp.max(q, axis=-1)
+
+
+def acceptance_trace(target, proposer: DrafterProposer, prompt: list[int], n: int, confidence: bool = False):
     """``accept[p]`` for ``p < n``: proposals (of ``block - 1``) verification would accept after AR's
-    first ``p`` tokens."""
+    first ``p`` tokens. ``confidence``: also the drafter's confidence in each proposal ``[n, block - 1]``."""
     block = proposer.drafter.config.block_size
     y = generate(target, [prompt], n + block, stop_ids=[]).token_ids[0]
     width = len(prompt) + n
-    trace = []
+    trace, conf = [], []
     for start in range(0, n, ROWS):
         ps = list(range(start, min(start + ROWS, n)))
         tokens = np.zeros((ROWS, width), np.int32)
@@ -57,16 +74,21 @@ def acceptance_trace(target, proposer: DrafterProposer, prompt: list[int], n: in
             target, proposer, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), jnp.float32(1.0),
             jnp.float32(1.0), capacity=width + block, top_k=0, greedy=True,
         )  # fmt: skip
+        if confidence:
+            proposals, c = jax.device_get(greedy_draft_with_confidence(proposer.drafter, target, state, first))
+        else:
+            counts = jnp.asarray([p + 1 for p in ps] + [1] * (ROWS - len(ps)), jnp.int32)
+            out = proposer.propose(target, state, first, counts, jax.random.split(jax.random.key(1), ROWS),
+                                   Sampling.rows(ROWS), block - 1)  # fmt: skip
+            proposals, c = np.asarray(out.tokens), None
         first = np.asarray(first)
-        counts = jnp.asarray([p + 1 for p in ps] + [1] * (ROWS - len(ps)), jnp.int32)
-        out = proposer.propose(target, state, jnp.asarray(first), counts, jax.random.split(jax.random.key(1), ROWS),
-                               Sampling.rows(ROWS), block - 1)  # fmt: skip
-        proposals = np.asarray(out.tokens)
         for i, p in enumerate(ps):
             assert first[i] == y[p], "the batched prefix pass disagrees with AR"
             match = proposals[i] == np.asarray(y[p + 1 : p + block])
             trace.append(int(np.argmin(match)) if not match.all() else block - 1)
-    return trace
+            if confidence:
+                conf.append(c[i])
+    return (trace, np.asarray(conf)) if confidence else trace
 
 
 @contextlib.contextmanager
@@ -144,33 +166,56 @@ def fixed_costs(target, drafter, prompt: list[int], lengths: tuple[int, ...], n:
     return {t: statistics.median(v[1:]) for t, v in samples.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def study_parser(description: str, out: str, skip: int = 0) -> argparse.ArgumentParser:
+    """The arguments every trace study takes (this one and ``confidence_sim.py``)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--drafter", default="checkpoints/smollm2-135m-dspine-b8")
     ap.add_argument("--data", default="experiments/data/smollm2-v2")
     ap.add_argument("--prompts-per-domain", type=int, default=4)
-    ap.add_argument("--skip", type=int, default=0,
+    ap.add_argument("--skip", type=int, default=skip,
                     help="skip each domain's first N held-out prompts (the bench's: tune on others)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--costs", help="ms per round instead of measuring them, e.g. 1:25.3,2:35.5,4:39.1,8:48.0")
-    ap.add_argument("--out", type=Path, default=Path("experiments/adaptive/policy_sim.json"))
-    args = ap.parse_args()
-    n = args.max_new_tokens
+    ap.add_argument("--out", type=Path, default=Path(out))
+    return ap
+
+
+def load_study(args: argparse.Namespace):
+    """(prompts, target, proposer, candidate lengths, seconds per round at each length) of a study."""
     model_dir = resolve_model_dir(args.model)
     held = {d: list(v)[args.skip :] for d, v in bench.load_heldout_prompts(args.model, Path(args.data)).items()}
     prompts = bench.select_prompts(held, args.prompts_per_domain, bench.encoder(model_dir, held))
     target = load_target(model_dir)
     drafter = load_drafter(args.drafter, target)
-    proposer = DrafterProposer(drafter)
     lengths = adaptive.candidate_lengths(drafter.config.block_size)
-    begin = time.perf_counter()
     if args.costs:
         costs = {int(t): float(ms) / 1e3 for t, ms in (x.split(":") for x in args.costs.split(","))}
     else:
-        costs = fixed_costs(target, drafter, prompts[0].ids, lengths, n, args.repeats)
+        costs = fixed_costs(target, drafter, prompts[0].ids, lengths, args.max_new_tokens, args.repeats)
     print("seconds per round:", {t: round(s * 1e3, 1) for t, s in costs.items()}, file=sys.stderr)
+    return prompts, target, DrafterProposer(drafter), lengths, costs
+
+
+def print_table(rows: dict[str, dict[str, list[float]]], prompts) -> dict[str, dict[str, float]]:
+    """Print ``{policy: {domain: [× AR per prompt]}}`` as a markdown table; returns the means."""
+    domains = list(dict.fromkeys(p.domain for p in prompts))
+    print("| policy | " + " | ".join(domains) + " | all |")
+    print("|---" * (len(domains) + 2) + "|")
+    summary = {}
+    for name, by in rows.items():
+        cells = [float(np.mean(by[d])) for d in domains] + [float(np.mean([x for d in domains for x in by[d]]))]
+        summary[name] = dict(zip(domains + ["all"], cells))
+        print(f"| {name} | " + " | ".join(f"{c:.2f}×" for c in cells) + " |")
+    return summary
+
+
+def main() -> None:
+    args = study_parser(__doc__.splitlines()[0], "experiments/adaptive/policy_sim.json").parse_args()
+    n = args.max_new_tokens
+    begin = time.perf_counter()
+    prompts, target, proposer, lengths, costs = load_study(args)
     traces = []
     for i, p in enumerate(prompts):
         traces.append(acceptance_trace(target, proposer, p.ids, n))
@@ -190,14 +235,7 @@ def main() -> None:
                 record(name, p.domain, simulate(trace, n, costs, every=every)["seconds"])
     for p, trace in zip(prompts, traces):
         record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
-    domains = list(dict.fromkeys(p.domain for p in prompts))
-    print("| policy | " + " | ".join(domains) + " | all |")
-    print("|---" * (len(domains) + 2) + "|")
-    summary = {}
-    for name, by in rows.items():
-        cells = [float(np.mean(by[d])) for d in domains] + [float(np.mean([x for d in domains for x in by[d]]))]
-        summary[name] = dict(zip(domains + ["all"], cells))
-        print(f"| {name} | " + " | ".join(f"{c:.2f}×" for c in cells) + " |")
+    summary = print_table(rows, prompts)
     args.out.write_text(json.dumps({
         "model": args.model, "drafter": args.drafter, "max_new_tokens": n, "skip": args.skip, "costs": costs,
         "costs_given": bool(args.costs),
