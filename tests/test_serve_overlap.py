@@ -57,9 +57,14 @@ def test_stop_string_during_an_overlapped_step(tmp_path, monkeypatch, family):
     core = EngineCore(target, None, num_slots=1, context_length=128, stop_ids=[], max_prompt_bucket=32,
                       max_rounds=4, prefix_cache_bytes=1 << 28)  # fmt: skip
     engine = AsyncEngine(lambda: (core, tok), Metrics(), max_queue=8)
-    delivered_in_flight = []
+    delivered_in_flight = []  # for each delivery: was a step in flight?
     deliver = AsyncEngine._deliver
-    monkeypatch.setattr(AsyncEngine, "_deliver", lambda self, *a: (delivered_in_flight.append(self.in_flight), deliver(self, *a))[1])
+
+    def recording(self, *args):
+        delivered_in_flight.append(self.in_flight)
+        return deliver(self, *args)
+
+    monkeypatch.setattr(AsyncEngine, "_deliver", recording)
     engine.start()
     assert engine.ready.wait(60)
     try:

@@ -41,8 +41,11 @@ def test_shipped_drafter_loads_and_is_greedy_exact(smollm2, kind):
     prompts = [encode_prompt(tokenizer, "Write a Python function that returns the sum of a list.", chat=True),
                encode_prompt(tokenizer, "What is 17 times 3?", chat=True)]  # fmt: skip
     ref = generate(target, prompts, 32)
-    spec = speculative_generate(target, drafter, prompts, 32)
+    # The drafter's whole block, pinned: under verify="auto" the lengths follow the machine's timings, and
+    # plain decode steps (T = 1, acceptance 1 by definition) would dilute the acceptance asserted below.
+    spec = speculative_generate(target, drafter, prompts, 32, verify=8)
     assert spec.token_ids == ref.token_ids
+    assert {t for row in spec.verify_lengths for t in row} == {8}
     # A trained drafter really drafts (held-out greedy τ 1.51 DSpine / 1.29 DFlash); a fresh drafter, or
     # this one with a wrong mask token or mis-loaded weights, gets ~1.0.
     assert spec.mean_acceptance > 1.2
