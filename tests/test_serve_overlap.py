@@ -69,7 +69,10 @@ def test_stop_string_during_an_overlapped_step(tmp_path, monkeypatch, family):
     assert engine.ready.wait(60)
     try:
         first, second = tok.encode("w9 w17 w33 w41"), tok.encode("w70 w5 w88")
-        ref = lambda ids, n: tok.decode(generate(target, [ids], n, stop_ids=[]).token_ids[0], skip_special_tokens=True)  # noqa: E731
+
+        def ref(ids: list[int], n: int) -> str:
+            return tok.decode(generate(target, [ids], n, stop_ids=[]).token_ids[0], skip_special_tokens=True)
+
         full = ref(first, 24)
         # A stop string first met past the first step's 4 rounds: found while a later step is in flight.
         starts = [i for i in range(len(full)) if full[i] != " " and (i == 0 or full[i - 1] == " ")]
