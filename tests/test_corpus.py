@@ -293,3 +293,18 @@ def test_regenerate_rows_only_takes_the_named_sources(tmp_path, monkeypatch):
     target = type("T", (), {"model_dir": "tiny"})()
     corpus.regenerate_rows(target, plan, tmp_path / "c", 10**6, 2, 2, progress=False, taps=(0,), only=("ext",))
     assert sorted(r["source"] for r in load_sequences(tmp_path / "c")) == sorted(r["source"] for r in records if r["source"].startswith("ext/"))
+
+
+def test_source_segment_equals_ast_get_source_segment():
+    """The stdlib prompts cut each function's source from the file's lines split once; it must be what
+    ``ast.get_source_segment`` returns, with CRLF / CR line ends, non-ASCII text and one-line bodies."""
+    import ast
+
+    text = ('x = "é"\r\ndef f(a):\r\n    """Ünïcode doc."""\r\n    return a  # ü\r\n'
+            "class C:\r    def g(self): return 1\r\n"
+            "def h():\n    pass\n    return 'ß'")  # fmt: skip
+    tree = ast.parse(text)
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Return, ast.Constant))]
+    lines = corpus._source_lines(text)
+    assert "".join(lines) == text
+    assert len(nodes) > 6 and all(corpus._source_segment(lines, n) == ast.get_source_segment(text, n) for n in nodes)
