@@ -136,13 +136,13 @@ def llama(tiny_models):
     return target, reference
 
 
-def run_oracle(target, reference, accept: list[int], max_new: int = 120):
+def run_oracle(target, reference, accept: list[int], max_new: int = 120, costs=COSTS):
     """Greedy decoding with an oracle that proposes ``accept[r]`` correct tokens in round r, then a wrong one."""
     ref = np.zeros((1, 160), np.int32)
     ref[0, : len(reference)] = reference
     proposer = OracleProposer(reference=jnp.asarray(ref), accept=jnp.asarray([accept], jnp.int32),
                               vocab_size=target.config.vocab_size)  # fmt: skip
-    result = speculative_generate(target, proposer, [PROMPT], max_new, stop_ids=[], verify_costs=COSTS)
+    result = speculative_generate(target, proposer, [PROMPT], max_new, stop_ids=[], verify_costs=costs)
     assert result.token_ids[0] == reference[:max_new]  # whatever the lengths, greedy output is the target's
     return result.verify_lengths[0]
 
@@ -167,6 +167,20 @@ def test_policy_tracks_the_acceptance(llama):
     assert all(t == 1 for t in lengths[5:9]), lengths
     climbed = [r for r in range(12, len(lengths) - 3) if lengths[r : r + 3] == [16, 16, 16]]
     assert climbed and climbed[0] <= 12 + adaptive.FIRST_WAIT * 8, lengths
+
+
+def test_greedy_probes_peek_instead_of_verifying_two_tokens(llama):
+    """Where drafting looks too dear on the prior alone (rounds start plain), the first probe is a peek: a plain
+    round whose one-token draft is compared with the emitted token. An oracle that is always right is found
+    by it, and the policy drafts long blocks from the next decision on; no round ever verifies 2 tokens."""
+    target, reference = llama
+    dear = {1: 1.0, 2: 1.9, 4: 2.2, 8: 2.6, 16: 3.5}  # at the prior (a coin flip per slot) T = 1 pays best
+    lengths = run_oracle(target, reference, [99] * 64, costs=dear)
+    first = next(r for r, t in enumerate(lengths) if t > 1)
+    assert lengths[:first] == [1] * first and first == adaptive.FIRST_WAIT + 1, lengths
+    assert 2 not in lengths and lengths[first] >= 8, lengths
+    # Nothing accepted: the peeks find nothing and thin out; every round is plain.
+    assert set(run_oracle(target, reference, [0] * 64, costs=dear)) == {1}
 
 
 def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):

@@ -20,6 +20,9 @@ Two parts, both small:
   ``argmax_T Σ_running E_b(T) / cost(T)``. ``T = 1`` stops drafting; after ``wait`` such rounds a
   **probe** (one round at ``PROBE_LENGTH``) refreshes the estimates, and every probe that brings no
   accepted token doubles the row's wait (up to ``MAX_WAIT``), so a useless drafter costs almost nothing.
+  Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``speculative.policy_round``):
+  a plain round plus a one-token draft, recorded as the round at ``PROBE_LENGTH`` it stands for, so a
+  probe costs a draft rather than a wider verify.
 
 Whatever ``T`` a round runs at, the round is exact (greedy == AR, sampling lossless): the policy only
 changes speed. ``VerifyPolicy.schedule`` can pin the choice per round (tests, cost measurement).

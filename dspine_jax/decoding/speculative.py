@@ -376,13 +376,27 @@ def prefill_impl(
 
 def policy_round(
     target: tgt.Target, proposer: Proposer, state: RoundState, stats: adaptive.PolicyState, sampling: Sampling,
-    stop_ids: Array, counts: Array, *, verify_len: int, all_greedy: bool,
+    stop_ids: Array, counts: Array, *, verify_len: int, all_greedy: bool, peek: bool = False,
 ) -> tuple[RoundState, adaptive.PolicyState, RoundOutput]:
-    """``speculative_round`` plus the acceptance statistics the adaptive policy chooses the next length from."""
+    """``speculative_round`` plus the acceptance statistics the adaptive policy chooses the next length from.
+
+    ``peek`` (static; a plain round, all rows greedy): a probe that costs a draft, not a wider verify — the
+    drafter proposes one token, the plain step runs as always, and the statistics count a round of length 2
+    whose proposal was accepted iff it equals the token the step emitted (what a T = 2 round would have
+    recorded). The emitted tokens are the plain step's, so the output is unchanged."""
     running = state.running
+    guess = None
+    if peek:
+        if verify_len != 1 or not all_greedy:
+            raise ValueError("a peek is a plain round (verify_len 1) of greedy rows")
+        guess = proposer.propose(target, state.proposer_state, state.anchor, counts, state.keys,
+                                 Sampling.rows(state.anchor.shape[0]), 1).tokens[:, 0]  # fmt: skip
     state, out = speculative_round(
         target, proposer, state, sampling, stop_ids, counts, verify_len=verify_len, all_greedy=all_greedy
     )
+    if peek:
+        peeked = (guess.astype(jnp.int32) == out.emitted[:, 0]).astype(jnp.int32)
+        return state, adaptive.update(stats, jnp.int32(adaptive.PROBE_LENGTH), peeked, running), out
     return state, adaptive.update(stats, jnp.int32(verify_len), out.accepted, running), out
 
 
@@ -432,9 +446,10 @@ def start_impl(
 
 def run_segment(
     target: tgt.Target, proposer: Proposer, carry: LoopCarry, stop_ids: Array, max_rounds: Array | None = None,
-    *, verify_len: int, greedy: bool,
+    *, verify_len: int, greedy: bool, peek: bool = False,
 ) -> LoopCarry:
-    """Rounds of ``verify_len`` tokens until every row stops, or ``max_rounds`` rounds (``None``: no limit)."""
+    """Rounds of ``verify_len`` tokens until every row stops, or ``max_rounds`` rounds (``None``: no limit);
+    ``peek``: every round a peek (``policy_round``)."""
     t = verify_len
     batch = carry.counts.shape[0]
     out_width = carry.kept.shape[1]
@@ -449,7 +464,8 @@ def run_segment(
     def body(c: LoopCarry) -> LoopCarry:
         running, counts = c.round.running, c.counts
         round_state, stats, result = policy_round(
-            target, proposer, c.round, c.stats, c.sampling, stop_ids, counts, verify_len=t, all_greedy=greedy
+            target, proposer, c.round, c.stats, c.sampling, stop_ids, counts, verify_len=t, all_greedy=greedy,
+            peek=peek,
         )
         n_keep = result.n_keep
         columns = jnp.where(slots < n_keep[:, None], counts[:, None] + slots, c.tokens.shape[1])  # out of range → dropped
@@ -468,7 +484,7 @@ def run_segment(
 
 def segment_impl(
     target: tgt.Target, proposer: Proposer, carry: LoopCarry, stop_ids: Array, max_rounds: Array,
-    policy: VerifyPolicy, *, verify_len: int, greedy: bool,
+    policy: VerifyPolicy, *, verify_len: int, greedy: bool, peek: bool = False,
 ) -> tuple[LoopCarry, Array, Array, Array, Array]:
     """``max_rounds`` rounds at ``verify_len``, then the policy's next choice (a candidate index), whether it
     is a probe, the plain rounds until a probe is due (``T = 1`` changes no estimate, so the choice holds
@@ -476,7 +492,7 @@ def segment_impl(
     (``speculative_generate``).
     One compiled program per length; choosing on the device inside one loop (``lax.switch`` over rounds)
     measured ~10 % slower on CPU, the caches being copied in and out of the switch."""
-    carry = run_segment(target, proposer, carry, stop_ids, max_rounds, verify_len=verify_len, greedy=greedy)
+    carry = run_segment(target, proposer, carry, stop_ids, max_rounds, verify_len=verify_len, greedy=greedy, peek=peek)
     running, stats = carry.round.running, carry.stats
     choice, probe = adaptive.choose(policy, stats, running, carry.round.remaining, carry.iterations)
     until_probe = jnp.min(jnp.where(running, stats.wait - stats.idle, adaptive.MAX_WAIT))
@@ -517,7 +533,7 @@ speculative_loop = jax.jit(
     loop_impl, static_argnames=("out_width", "verify_len", "greedy"), donate_argnames=("cache", "state")
 )
 start_loop = jax.jit(start_impl, static_argnames=("out_width", "max_verify"), donate_argnames=("cache", "state"))
-loop_segment = jax.jit(segment_impl, static_argnames=("verify_len", "greedy"), donate_argnames=("carry",))
+loop_segment = jax.jit(segment_impl, static_argnames=("verify_len", "greedy", "peek"), donate_argnames=("carry",))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -653,7 +669,8 @@ def adaptive_decode(
     due; a pinned schedule: one) at the length the policy chose at the end of the previous segment, from
     the prefilled caches to the end. Measured or cached costs are refined by the segments' host timings
     (``adaptive.CostEstimate``) and written back to the cache; while few segments have timed a neighbour of
-    the chosen drafted length, it runs instead (``CostEstimate.explore``).
+    the chosen drafted length, it runs instead (``CostEstimate.explore``). Under greedy decoding a probe is a
+    peek (``policy_round``): a plain round plus a one-token draft, not a round at ``PROBE_LENGTH``.
     ``sampling_args``: key, temperature, top-p, top-k. Returns the final carry, the decode seconds and the
     seconds spent measuring the cost model (0 when given or cached). Every program is compiled (on
     ``clock``) before anything is timed."""
@@ -663,9 +680,10 @@ def adaptive_decode(
     carry, start_seconds = clock.run(start_loop, *prefilled, *start_args, **start_kwargs)
     every = 1 if verify_schedule is not None else DECIDE_EVERY
     unit = adaptive.make_policy(candidates, dict.fromkeys(candidates, 1.0))
-    for t in candidates:  # one program per length
+    peeks = greedy and verify_schedule is None and adaptive.PROBE_LENGTH in candidates
+    for t, peek in [(t, False) for t in candidates] + ([(1, True)] if peeks else []):  # one program per length
         clock.compile(loop_segment, target, proposer, carry, stop_array, jnp.int32(every), unit, verify_len=t,
-                      greedy=greedy)  # fmt: skip
+                      greedy=greedy, peek=peek)  # fmt: skip
     costs, segments, calibration, key = verify_costs, None, 0.0, None
     if costs is None:
         key = adaptive.costs_key(target, proposer_tag(proposer), carry.counts.shape[0], candidates)
@@ -694,13 +712,16 @@ def adaptive_decode(
             # only by running a length (a pinned schedule is run as pinned)
             t = estimate.explore(t)
         rounds = 1 if bool(probe) else until_probe if t == 1 and verify_schedule is None else every
+        peek = peeks and bool(probe) and t == adaptive.PROBE_LENGTH
+        t = 1 if peek else t
         segment_begin = time.perf_counter()
         carry, choice, probe, until_probe, alive = loop_segment(
-            target, proposer, carry, stop_array, jnp.int32(rounds), policy, verify_len=t, greedy=greedy
+            target, proposer, carry, stop_array, jnp.int32(rounds), policy, verify_len=t, greedy=greedy, peek=peek
         )
         alive, until_probe = bool(alive), int(until_probe)
-        if alive and key is not None:  # measured costs (not given ones, in any unit) are refined by the
-            # rounds decoding runs; all `rounds` ran (only the last segment may stop early)
+        if alive and key is not None and not peek:  # measured costs (not given ones, in any unit) are refined by
+            # the rounds decoding runs; all `rounds` ran (only the last segment may stop early); a peek's time
+            # is neither length's
             estimate.observe(t, time.perf_counter() - segment_begin, rounds)
             refined = estimate.current()
             policy = policy.replace(costs=jnp.asarray([refined[c] for c in candidates], jnp.float32))
