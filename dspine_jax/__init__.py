@@ -1,6 +1,16 @@
 """dspine_jax: DSpine speculative decoding in pure JAX/Pallas."""
 
+import os
 import warnings
+
+# The Pallas kernels live in the repository's kernels/pallas/ and import as ``dspine_jax.pallas``: pyproject maps
+# the folder into the installed package; from a checkout that is not installed (a device machine running the
+# experiments), the subpackage is found in that folder.
+_checkout_kernels = os.path.join(os.path.dirname(__path__[0]), "kernels")
+if not os.path.isdir(os.path.join(__path__[0], "pallas")) and os.path.isfile(
+    os.path.join(_checkout_kernels, "pallas", "dispatch.py")
+):
+    __path__.append(_checkout_kernels)
 
 # The package exports the function ``generate`` and also ships the CLI module ``dspine_jax.generate``. The
 # CLI module is imported first so that the name ends up bound to the function (a later ``import

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import jax
@@ -25,7 +28,7 @@ from dspine_jax.models.family import TargetFamily, TargetForward, family_for, re
 from dspine_jax.train.loop import KIND_TRAINING, TrainConfig, eval_loss, kind_training, split_params
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("dspine_jax", "kernels")
+PACKAGES = {"dspine_jax": "dspine_jax", "dspine_jax.pallas": "kernels/pallas"}  # import name → folder (pyproject)
 # Imported where they are used, not at a module's top: optional extras (torch, matplotlib, the training
 # prompt sources), transformers (seconds to import; only tokenizing needs it), gguf (only the one-time
 # SmolLM2 conversion) and filelock (optional by design: hub works without it).
@@ -37,9 +40,9 @@ DEFERRED_PREFIXES = ("jax.experimental.pallas",)
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for package, folder in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out[".".join(parts)] = path
@@ -111,9 +114,31 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_walk_sees_the_package():
     edges, _ = _graph()
-    assert {"dspine_jax.decoding.speculative", "dspine_jax.models.dense", "dspine_jax.drafters.dspine", "kernels.pallas.dispatch"} <= set(edges)
+    assert {"dspine_jax.decoding.speculative", "dspine_jax.models.dense", "dspine_jax.drafters.dspine", "dspine_jax.pallas.dispatch"} <= set(edges)
     assert "dspine_jax.decoding.planning" in edges["dspine_jax.decoding.speculative"]  # `from dspine_jax.decoding.planning import …`
     assert "dspine_jax.models.target" in edges["dspine_jax.serve.engine"]  # `from dspine_jax import target as tgt`
+
+
+def test_pyproject_installs_every_package_and_no_top_level_kernels():
+    """pyproject lists the packages by hand (the kernels folder is mapped to ``dspine_jax.pallas``): every package
+    folder must be listed. ``kernels/`` must not be a package: from the repository root it would shadow Hugging
+    Face's ``kernels``, which transformers ≥ 5.25 imports (every torch reference test failed so)."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {**{p: p.replace(".", "/") for p in setuptools["packages"]}, **setuptools["package-dir"]}
+    assert folders == {name: folder for name, folder in _package_folders().items()}
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    probe = "import transformers.integrations.hub_kernels, dspine_jax.pallas.dispatch"
+    subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)  # cwd first on sys.path, as `python -m` puts it
+
+
+def _package_folders() -> dict[str, str]:
+    """Import name → folder of every package (a folder with ``__init__.py``) under ``PACKAGES``."""
+    out = {}
+    for package, folder in PACKAGES.items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            sub = init.parent.relative_to(ROOT / folder).parts
+            out[".".join([package, *sub])] = "/".join([folder, *sub])
+    return out
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -137,7 +162,7 @@ def test_no_module_imports_another_modules_private_names():
     private = []
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGES):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(tuple(PACKAGES)):
                 private += [f"{name} imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert private == []
 

@@ -24,9 +24,9 @@ from dspine_jax.decoding.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.dspine import SPINE
 from dspine_jax.models.layers import MASK_VALUE
-from kernels.pallas import dispatch
-from kernels.pallas import draft_attention as DA
-from kernels.pallas import transition_cache as TC
+from dspine_jax.pallas import dispatch
+from dspine_jax.pallas import draft_attention as DA
+from dspine_jax.pallas import transition_cache as TC
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 FLAVORS = ["gpu", "tpu"]

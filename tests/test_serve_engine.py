@@ -193,6 +193,44 @@ def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, 
     assert seen[0] == 1 and sum(t > 1 for t in seen) <= 3  # only probes draft
 
 
+@struct.dataclass
+class RightOracle(DrafterProposer):
+    """Always proposes slot 0's reference continuation (``seq``: prompt + reference), read at the drafter ring's
+    length (the anchor's position)."""
+
+    seq: jax.Array = None
+
+    def propose(self, target, cache, anchor, counts, keys, sampling, num):
+        pos = cache.lengths[:, None] + 1 + jnp.arange(num)[None, :]
+        tokens = jnp.take_along_axis(self.seq[None, :].repeat(pos.shape[0], 0), jnp.clip(pos, 0, self.seq.shape[0] - 1), 1)
+        return DraftOutput(tokens=tokens, cand_ids=tokens[..., None], q=jnp.ones((*tokens.shape, 1), jnp.float32))
+
+
+def test_adaptive_engine_greedy_probes_peek(llama):
+    """Where drafting looks too dear on the prior alone, a greedy slot's first probe is a peek (a plain round
+    whose one-token draft is compared with the emitted token): an always-right drafter is found by it and the
+    slot verifies 4 tokens from the next step on; no probe verifies 2. A sampled slot probes at T = 2."""
+    from dspine_jax.decoding import adaptive
+
+    ref = generate(llama, [PROMPTS[0]], 40, stop_ids=[]).token_ids[0]
+    drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
+    oracle = RightOracle(drafter, seq=jnp.asarray(PROMPTS[0] + ref, jnp.int32))
+    dear = {1: {1: 1.0, 2: 1.9, 4: 2.2}}  # at the prior (a coin flip per slot) T = 1 pays best
+    core = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[], proposer=oracle, verify_costs=dear)
+    out, seen = decode_one(core, PROMPTS[0], 40)
+    assert out == ref
+    first = next(r for r, t in enumerate(seen) if t > 1)
+    assert seen[:first] == [1] * first and first == adaptive.FIRST_WAIT + 1, seen
+    assert seen[first:-1] == [4] * (len(seen) - first - 1), seen  # (the last round may be cut by the budget)
+
+    sampled = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[], proposer=oracle, verify_costs=dear)
+    sampled.add(0, PROMPTS[0], 40, SlotParams(temperature=0.7, seed=1))
+    seen = []
+    while sampled.running[0]:
+        seen += sampled.step(rounds=1).verify_lengths
+    assert seen[: adaptive.FIRST_WAIT + 1] == [1] * adaptive.FIRST_WAIT + [2], seen
+
+
 def test_process_rows_matches_per_row():
     logits = jax.random.normal(jax.random.key(0), (4, 3, 50)) * 3
     temperature = jnp.asarray([0.7, 1.0, 1.3, 2.0])

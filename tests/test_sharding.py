@@ -20,7 +20,7 @@ from dspine_jax.drafters.io import init_drafter
 from dspine_jax.models.target import load_target
 from dspine_jax.parallel.mesh import make_mesh, use_mesh
 from dspine_jax.parallel.sharding import describe, shard_drafter, shard_target
-from kernels.pallas import dispatch
+from dspine_jax.pallas import dispatch
 
 MAX_NEW = 12
 PROMPTS = [np.random.default_rng(i).integers(3, 128, n).tolist() for i, n in enumerate([5, 11])]
@@ -127,7 +127,7 @@ def test_weights_and_caches_are_split_as_the_rules_say(models):
 def test_pallas_kernels_inside_shard_map(models, monkeypatch):
     """The drafter's Pallas kernels (interpreted here) run per device under a 2×4 mesh — each sees its
     own rows and heads — and give the same greedy output as the XLA reference on one device."""
-    from kernels.pallas import draft_attention, transition_cache
+    from dspine_jax.pallas import draft_attention, transition_cache
 
     target, drafter, reference, acceptance = models["qwen3"]
     mesh = make_mesh(tp=4, dp=2)

@@ -93,7 +93,7 @@ from dspine_jax.models import quant
 from dspine_jax.models.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.models.target import Target, lm_logits
 from dspine_jax.parallel.mesh import per_device, weight
-from kernels.pallas import draft_attention as _attention_kernel
+from dspine_jax.pallas import draft_attention as _attention_kernel
 
 # ----------------------------------------------------------------------------------------------
 # Parameters

@@ -57,7 +57,7 @@ from dspine_jax.models.layers import rms_norm
 from dspine_jax.models.target import Target
 from dspine_jax.models.weights import CheckpointError, take
 from dspine_jax.parallel.mesh import per_device
-from kernels.pallas import transition_cache as _transition_kernel
+from dspine_jax.pallas import transition_cache as _transition_kernel
 
 # F.normalize's epsilon: a zero readout stays zero instead of dividing by zero.
 NORMALIZE_EPS = 1e-12

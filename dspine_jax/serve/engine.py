@@ -31,8 +31,9 @@ does in the background before it reports ready):
   slots inside the bucket run too (static shapes) but commit nothing. With ``verify_len == 1`` and no drafter (``NoProposer``) it is
   a plain autoregressive step (``--no-speculative``). With ``verify="auto"`` (the default) each step runs
   at the length the adaptive policy (``decoding/adaptive.py``) chose at the end of the previous one, from
-  per-slot acceptance statistics kept on the host beside the anchors; one program per length, all
-  compiled by ``warmup``. The cost per length is measured on the first steps of each row bucket (pinned
+  per-slot acceptance statistics kept on the host beside the anchors (when every running slot is
+  greedy, a probe is a peek: ``speculative.policy_round``); one program per length, all compiled by
+  ``warmup``. The cost per length is measured on the first steps of each row bucket (pinned
   lengths, exact like any other) and cached on disk.
 
 This module keeps only slot bookkeeping: admitting a request, prefilling, stepping, releasing a slot.
@@ -232,11 +233,11 @@ def refit(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int, c
     return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), (cache, pstate), extra)
 
 
-@functools.partial(jax.jit, static_argnames=("verify_len", "max_rounds"), donate_argnames=("cache", "pstate"))
+@functools.partial(jax.jit, static_argnames=("verify_len", "max_rounds", "peek"), donate_argnames=("cache", "pstate"))
 def step(
     target: tgt.Target, proposer: Proposer, cache, pstate, anchor: Array, running: Array, remaining: Array,
     key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, num_rounds: Array,
-    policy: VerifyPolicy, stats: adaptive.PolicyState, *, verify_len: int, max_rounds: int,
+    policy: VerifyPolicy, stats: adaptive.PolicyState, *, verify_len: int, max_rounds: int, peek: bool = False,
 ):
     """One engine step: up to ``num_rounds`` (≤ ``max_rounds``, traced) rounds of ``policy_round`` — the
     round ``speculative_generate`` runs — at ``verify_len`` over the caches' ``R`` rows (the current row
@@ -251,7 +252,8 @@ def step(
     then per round ``[max_rounds, R, …]``: emitted ``[.., T]``, ``n_keep`` (tokens of emitted to append,
     0 for rows that do not run), ``accepted`` (proposals verification accepted) and ``hit_stop`` (the kept
     tokens end on a stop id); the rounds run, the next key data, the updated statistics and the next
-    step's length (an index into ``policy.lengths``).
+    step's length (an index into ``policy.lengths``). ``peek`` (every running slot greedy): a probe that
+    costs a one-token draft, not a wider verify (``speculative.policy_round``).
     """
     state = RoundState(
         cache=cache, proposer_state=pstate, anchor=anchor, running=running, remaining=remaining,
@@ -274,7 +276,7 @@ def step(
         # ``counts`` only matters to reference-indexing proposers (tests), which the engine does not run.
         state, stats, out = policy_round(
             target, proposer, state, stats, sampling, stop_ids, jnp.zeros_like(remaining), verify_len=verify_len,
-            all_greedy=False,
+            all_greedy=peek, peek=peek,
         )
         history = {name: history[name].at[done].set(getattr(out, name)) for name in history}
         return done + 1, state, stats, history
@@ -339,6 +341,7 @@ class PendingStep:
     n: int  # how many
     rows: int  # the row bucket
     length: int  # the verify length
+    peek: bool  # a probe by a peek (its time is neither length's)
     policy: VerifyPolicy
     chosen: bool  # the length is the policy's (not fixed, warmup's or calibration's)
     calibrating: bool
@@ -410,6 +413,7 @@ class EngineCore:
         self._unit_policy = adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0)) if self.candidates else None
         self._next_length: tuple[int, bool] | None = None  # the policy's choice for the next step, a probe?
         self._forced_length: int | None = None  # warmup compiles every length
+        self._forced_peek = False  # and the peek
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
         self.max_rounds = max_rounds
@@ -719,15 +723,19 @@ class EngineCore:
                 t = self._estimates[r].explore(t)
         rounds = self.max_rounds if rounds is None else max(1, min(rounds, self.max_rounds))
         rounds = 1 if probe else rounds  # a probe is one round; the policy decides again after it
+        # Greedy slots probe by a peek: a plain round plus a one-token draft (sampled ones verify 2 tokens).
+        greedy = not np.any(active[:r] & (self.temperature[:r] > 0))
+        peek = self._forced_peek or (probe and t == adaptive.PROBE_LENGTH and greedy)
+        t = 1 if peek else t
         start = time.perf_counter()
         with use_mesh(self.mesh):
             self.cache, self.pstate, *outputs = step(
                 self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
                 jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
                 jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, jnp.int32(rounds),
-                policy, jax.tree.map(lambda a: a[:r], self.stats), verify_len=t, max_rounds=self.max_rounds,
+                policy, jax.tree.map(lambda a: a[:r], self.stats), verify_len=t, max_rounds=self.max_rounds, peek=peek,
             )
-        return PendingStep(outputs, active, n, r, t, policy, chosen, calibrating, start)
+        return PendingStep(outputs, active, n, r, t, peek, policy, chosen, calibrating, start)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step and replay its rounds on the host mirror (``step``'s second half)."""
@@ -736,7 +744,7 @@ class EngineCore:
         seconds = time.perf_counter() - pending.start
         if pending.calibrating and int(done):
             self._record_cost(r, t, seconds / int(done))
-        elif pending.chosen and r in self._estimates:
+        elif pending.chosen and r in self._estimates and not pending.peek:
             self._estimates[r].observe(t, seconds, int(done))
         self._next_length = (policy.lengths[int(choice)], bool(probe)) if pending.chosen else None
         self.stats = jax.tree.map(lambda a, b: _set_rows(a, b), self.stats, stats)
@@ -841,17 +849,21 @@ class EngineCore:
                             if progress:
                                 progress(f"compiling prefill copies ({size} of {rows} rows, capacity {capacity})")
                             prefill_together(range(rows - size, rows), MIN_PROMPT_BUCKET)
-                for t in self.candidates or sorted(set(self.verify_lengths.values())):
+                lengths = [(t, False) for t in self.candidates or sorted(set(self.verify_lengths.values()))]
+                if adaptive.PROBE_LENGTH in self.candidates:
+                    lengths.append((1, True))  # greedy slots' probe
+                for t, peek in lengths:
                     for rows in self.row_buckets:
                         if progress:
-                            progress(f"compiling step (verify length {t}, {rows} rows, capacity {capacity})")
+                            what = "peek" if peek else f"verify length {t}"
+                            progress(f"compiling step ({what}, {rows} rows, capacity {capacity})")
                         slot = rows - 1
                         self.add(slot, [bos], 2, SlotParams())
-                        self._forced_length = t
+                        self._forced_length, self._forced_peek = t, peek
                         try:
                             self.step()
                         finally:
-                            self._forced_length = None
+                            self._forced_length, self._forced_peek = None, False
                         self.release(slot)
         finally:
             self._forced_capacity, self._warming = None, False

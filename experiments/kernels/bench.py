@@ -26,10 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax
 import jax.numpy as jnp
 from common import SHAPES, Shape, attention_inputs, env_line, relative_error, tiles_visited, transition_inputs
-
-from kernels.pallas import dispatch
-from kernels.pallas import draft_attention as DA
-from kernels.pallas import transition_cache as TC
+from dspine_jax.pallas import dispatch
+from dspine_jax.pallas import draft_attention as DA
+from dspine_jax.pallas import transition_cache as TC
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

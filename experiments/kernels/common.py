@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import jax
 import jax.numpy as jnp
-
-from kernels.pallas import transition_cache as TC
+from dspine_jax.pallas import transition_cache as TC
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +97,7 @@ def transition_inputs(shape: Shape, dtype, seed: int = 0) -> tuple:
 
 def tiles_visited(shape: Shape, tile: int) -> tuple[int, int]:
     """(tiles the kernel visits over the batch, tiles a dense kernel would touch)."""
-    from kernels.pallas import draft_attention as DA
+    from dspine_jax.pallas import draft_attention as DA
 
     info = DA.row_schedule(ragged_lengths(shape), shape.ring, tile, shape.window)
     return int(info[:, 4].sum()), shape.batch * -(-shape.ring // tile)

@@ -34,10 +34,9 @@ import bench
 import jax
 import jax.numpy as jnp
 from common import SHAPES, attention_inputs, env_line, transition_inputs
-
-from kernels.pallas import dispatch
-from kernels.pallas import draft_attention as DA
-from kernels.pallas import transition_cache as TC
+from dspine_jax.pallas import dispatch
+from dspine_jax.pallas import draft_attention as DA
+from dspine_jax.pallas import transition_cache as TC
 
 TOL = {"float32": 5e-3, "bfloat16": 2e-2}
 BUDGET_S = 270  # stop starting new rows past this (the whole script must stay under 5 minutes)

@@ -20,7 +20,7 @@ TPU variant on TPU, the GPU variant elsewhere).
 
 The choice is made when a kernel is *traced* (it is Python-level), so a function jitted before a mode change
 keeps its old choice: ``set_mode``/``force`` call ``jax.clear_caches()`` so that the next call retraces.
-Each (kernel, backend) choice is logged once at INFO on the ``kernels.pallas.dispatch`` logger.
+Each (kernel, backend) choice is logged once at INFO on the ``dspine_jax.pallas.dispatch`` logger.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
 
-from kernels.pallas import dispatch
+from . import dispatch
 
 # Finite "minus infinity", the same constant as dspine_jax.models.layers.MASK_VALUE (kernels/ does not import the
 # library, which imports the kernels).
@@ -453,7 +453,7 @@ def draft_attention(
     causal: bool,
     backend: dispatch.Backend | str | None = None,
 ) -> Array:
-    """Dispatching entry point: the reference or the Pallas kernel per ``kernels.pallas.dispatch``."""
+    """Dispatching entry point: the reference or the Pallas kernel per ``dspine_jax.pallas.dispatch``."""
     chosen = dispatch.as_backend(backend, KERNEL_NAME)
     if chosen.is_reference:
         return draft_attention_reference(q, ctx_k, ctx_v, k, v, lengths, window=window, causal=causal)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
 
-from kernels.pallas import dispatch
+from . import dispatch
 
 KERNEL_NAME = "transition_cache"
 _NN = (((1,), (0,)), ((), ()))  # A @ B
@@ -244,7 +244,7 @@ def transition_scores(
     *,
     backend: dispatch.Backend | str | None = None,
 ) -> Array:
-    """Dispatching entry point: the reference or the Pallas kernel per ``kernels.pallas.dispatch``."""
+    """Dispatching entry point: the reference or the Pallas kernel per ``dspine_jax.pallas.dispatch``."""
     chosen = dispatch.as_backend(backend, KERNEL_NAME)
     if chosen.is_reference:
         return transition_scores_reference(pre, receiver_logit, codes, head_rows, weights, eps)
