@@ -644,8 +644,9 @@ def proposer_tag(proposer: Proposer) -> str:
 
 
 def measure_verify_costs(start, run, lengths: tuple[int, ...], rounds: int = 8, repeats: int = 3) -> dict[int, float]:
-    """Seconds per round at each verify length: ``rounds`` rounds of the real loop at that length, median of
-    ``repeats`` after one warm-up, the lengths interleaved so that a busy machine slows them alike.
+    """Seconds per round at each verify length: ``rounds`` rounds of the real loop at that length, the fastest
+    of ``repeats`` after one warm-up, the lengths interleaved (``adaptive.fastest_seconds_per_round``: a busy
+    moment must not make a length look dear for good).
     ``start()`` returns a fresh carry; ``run(carry, length, rounds)`` runs the rounds and returns the carry."""
     seconds: dict[int, list[float]] = {t: [] for t in lengths}
     iterations: dict[int, list[int]] = {t: [] for t in lengths}
@@ -657,7 +658,7 @@ def measure_verify_costs(start, run, lengths: tuple[int, ...], rounds: int = 8, 
             if attempt:  # the first pass warms caches up
                 seconds[length].append(time.perf_counter() - begin)
                 iterations[length].append(int(carry.iterations))
-    return {t: adaptive.median_seconds_per_round(seconds[t], iterations[t]) for t in lengths}
+    return {t: adaptive.fastest_seconds_per_round(seconds[t], iterations[t]) for t in lengths}
 
 
 def adaptive_decode(

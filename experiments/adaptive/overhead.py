@@ -1,7 +1,8 @@
 """Where adaptive verification loses time against plain AR decoding, measured side by side (interleaved
 repeats, medians) on held-out prompts: our AR decode; the speculative loop held at T = 1 (a plain step
-inside the speculative round: taps, drafter context append, bookkeeping); and --verify auto with a
-drafter that never proposes anything accepted (probes only). Usage:
+inside the speculative round: taps, drafter context append, bookkeeping), without a drafter and with one;
+and --verify auto with a drafter that never proposes anything accepted (probes only) and with the shipped
+one. Decode time, and prefill + decode time as the bench counts it. Usage:
 
     python experiments/adaptive/overhead.py [--domain code] [--tokens 64] [--repeats 5]
 """
@@ -63,29 +64,35 @@ def main() -> None:
     trained = spec.as_proposer(load_draft(args.draft, target))
     untrained = spec.as_proposer(load_draft("init:dspine", target))  # as bench's ours+init:dspine
     n = args.tokens
-    systems = {
-        "ar": lambda p: generate(target, [p], n, stop_ids=[]).decode_seconds,
-        "T=1 loop (trained drafter state)": lambda p: plain_rounds(target, trained, p, n),
-        "auto, init:dspine": lambda p: speculative_generate_seconds(target, untrained, p, n),
-        "auto, trained drafter": lambda p: speculative_generate_seconds(target, trained, p, n),
+    systems = {  # each → (decode seconds, prefill + decode seconds or None)
+        "ar": lambda p: seconds(generate(target, [p], n, stop_ids=[])),
+        "T=1 loop (no drafter)": lambda p: (plain_rounds(target, spec.NoProposer(), p, n), None),
+        "T=1 loop (trained drafter state)": lambda p: (plain_rounds(target, trained, p, n), None),
+        "auto, init:dspine": lambda p: seconds(spec.speculative_generate(target, untrained, [p], n, stop_ids=[])),
+        "auto, trained drafter": lambda p: seconds(spec.speculative_generate(target, trained, [p], n, stop_ids=[])),
     }
     for f in systems.values():  # compile (and measure the verify costs) before timing
         f(prompts[0])
-    times: dict[str, list[float]] = {k: [] for k in systems}
+    times: dict[str, list[tuple[float, float | None]]] = {k: [] for k in systems}
     for _ in range(args.repeats):
         for p in prompts:
             for name, f in systems.items():
                 times[name].append(f(p))
-    ar = statistics.median(times["ar"])
+    ar = statistics.median(d for d, _ in times["ar"])
+    ar_total = statistics.median(t for _, t in times["ar"])
     print(f"{jax.devices()[0].device_kind}, {args.domain}, {n} tokens, {len(prompts)} prompts × {args.repeats}")
     for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:36s} median {med * 1e3:8.1f} ms  {n / med:6.1f} tok/s  {ar / med:5.3f}× AR")
+        med = statistics.median(d for d, _ in ts)
+        line = f"{name:36s} decode median {med * 1e3:8.1f} ms  {n / med:6.1f} tok/s  {ar / med:5.3f}× AR"
+        if ts[0][1] is not None:
+            total = statistics.median(t for _, t in ts)
+            line += f"  | with prefill {total * 1e3:8.1f} ms  {ar_total / total:5.3f}× AR"
+        print(line)
 
 
-def speculative_generate_seconds(target, proposer, prompt, n) -> float:
-    r = spec.speculative_generate(target, proposer, [prompt], n, stop_ids=[])
-    return r.decode_seconds
+def seconds(result) -> tuple[float, float]:
+    """(decode seconds, prefill + decode seconds) of a generation result (compilation excluded)."""
+    return result.decode_seconds, result.seconds
 
 
 if __name__ == "__main__":
