@@ -164,6 +164,19 @@ def choose(
     return jnp.where(pinned >= 0, pinned, best), (due | unseen) & (pinned < 0)
 
 
+def peeks(length: int, probe: bool, greedy: bool) -> bool:
+    """Whether a round the policy chose runs as a peek (a plain round plus a one-token draft): a probe at
+    ``PROBE_LENGTH`` of greedy rows, whose statistic (the draft's token against the emitted one) needs no wider
+    verify. A sampled row's needs the real round."""
+    return greedy and probe and length == PROBE_LENGTH
+
+
+def programs(lengths: Sequence[int], greedy_probes: bool) -> list[tuple[int, bool]]:
+    """``(verify length, peek)`` of every round program a decoder compiles: one per candidate length, plus the
+    peek when its probes may be greedy."""
+    return [(t, False) for t in lengths] + ([(1, True)] if greedy_probes and PROBE_LENGTH in lengths else [])
+
+
 def update(state: PolicyState, length: Array, accepted: Array, running: Array) -> PolicyState:
     """After a round of ``length`` tokens in which row b's verification accepted ``accepted[b]`` proposals."""
     slot = jnp.arange(state.hits.shape[1])[None, :]  # [1, P]

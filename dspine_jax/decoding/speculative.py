@@ -681,8 +681,8 @@ def adaptive_decode(
     carry, start_seconds = clock.run(start_loop, *prefilled, *start_args, **start_kwargs)
     every = 1 if verify_schedule is not None else DECIDE_EVERY
     unit = adaptive.make_policy(candidates, dict.fromkeys(candidates, 1.0))
-    peeks = greedy and verify_schedule is None and adaptive.PROBE_LENGTH in candidates
-    for t, peek in [(t, False) for t in candidates] + ([(1, True)] if peeks else []):  # one program per length
+    greedy_probes = greedy and verify_schedule is None
+    for t, peek in adaptive.programs(candidates, greedy_probes):  # one program per length (and the peek)
         clock.compile(loop_segment, target, proposer, carry, stop_array, jnp.int32(every), unit, verify_len=t,
                       greedy=greedy, peek=peek)  # fmt: skip
     costs, segments, calibration, key = verify_costs, None, 0.0, None
@@ -713,7 +713,7 @@ def adaptive_decode(
             # only by running a length (a pinned schedule is run as pinned)
             t = estimate.explore(t)
         rounds = 1 if bool(probe) else until_probe if t == 1 and verify_schedule is None else every
-        peek = peeks and bool(probe) and t == adaptive.PROBE_LENGTH
+        peek = adaptive.peeks(t, bool(probe), greedy_probes)
         t = 1 if peek else t
         segment_begin = time.perf_counter()
         carry, choice, probe, until_probe, alive = loop_segment(

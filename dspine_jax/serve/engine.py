@@ -725,7 +725,7 @@ class EngineCore:
         rounds = 1 if probe else rounds  # a probe is one round; the policy decides again after it
         # Greedy slots probe by a peek: a plain round plus a one-token draft (sampled ones verify 2 tokens).
         greedy = not np.any(active[:r] & (self.temperature[:r] > 0))
-        peek = self._forced_peek or (probe and t == adaptive.PROBE_LENGTH and greedy)
+        peek = self._forced_peek or adaptive.peeks(t, probe, greedy)
         t = 1 if peek else t
         start = time.perf_counter()
         with use_mesh(self.mesh):
@@ -849,10 +849,8 @@ class EngineCore:
                             if progress:
                                 progress(f"compiling prefill copies ({size} of {rows} rows, capacity {capacity})")
                             prefill_together(range(rows - size, rows), MIN_PROMPT_BUCKET)
-                lengths = [(t, False) for t in self.candidates or sorted(set(self.verify_lengths.values()))]
-                if adaptive.PROBE_LENGTH in self.candidates:
-                    lengths.append((1, True))  # greedy slots' probe
-                for t, peek in lengths:
+                lengths = self.candidates or sorted(set(self.verify_lengths.values()))
+                for t, peek in adaptive.programs(lengths, greedy_probes=bool(self.candidates)):
                     for rows in self.row_buckets:
                         if progress:
                             what = "peek" if peek else f"verify length {t}"
