@@ -141,8 +141,7 @@ def test_long_prompt_is_chunked_not_compiled(server):
     from dspine_jax.serve import engine as eng
 
     tok, core = server["tokenizer"], server["core"]
-    programs = (eng.prefill_rows, eng.read_rows, eng.write_rows, eng.step)
-    compiled = [f._cache_size() for f in programs]
+    compiled = eng.serving_programs(core)
     longs = [" ".join(f"w{7 + (j * 11) % 120}" for j in range(words)) for words in (150, 97)]
     for prompt in longs:
         ids = tok.encode(prompt)
@@ -172,7 +171,7 @@ def test_long_prompt_is_chunked_not_compiled(server):
     long_texts, short_texts = asyncio.run(run())
     assert long_texts == [reference_text(server, tok.encode(p), 12) for p in longs]
     assert short_texts == [reference_text(server, tok.encode(p), 40) for p in PROMPTS[9:11]]
-    assert [f._cache_size() for f in programs] == compiled
+    assert eng.serving_programs(core) == compiled
 
 
 def test_chat_and_streaming_match(server):

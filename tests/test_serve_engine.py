@@ -301,15 +301,14 @@ def test_long_prompts_are_chunked_and_equal_generate(llama):
     core = EngineCore(llama, drafter, num_slots=2, context_length=120, stop_ids=[], max_prompt_bucket=32,
                       prefill_chunk=64)  # fmt: skip
     core.warmup()
-    programs = (eng.prefill_rows, eng.read_rows, eng.write_rows, eng.step)
-    compiled = [f._cache_size() for f in programs]
+    compiled = eng.serving_programs(core)
     prompts = [[1] + [(7 * i + 3) % 120 + 3 for i in range(n)] for n in (100, 33, 64, 70)]
     budgets = [12, 30, 12, 12]  # the second request decodes while the third and fourth are prefilled
     ref = [r[:b] for r, b in zip(generate(llama, prompts, 30, stop_ids=[]).token_ids, budgets)]  # one compile
     log = []
     got, _, _ = run_engine(core, prompts, budgets, arrivals=[0, 0, 0, 4], log=log)
     assert got == ref
-    assert [f._cache_size() for f in programs] == compiled
+    assert eng.serving_programs(core) == compiled
     interleaved = [prefilling for prefilling, decoded in log if prefilling and decoded - prefilling]
     assert len(interleaved) >= 4  # iterations that prefilled a chunk and decoded another slot
 
@@ -344,12 +343,12 @@ def test_hybrid_prompts_sharing_a_head_start_from_its_last_chunk_snapshot(tmp_pa
     core = EngineCore(target, drafter, num_slots=1, context_length=160, stop_ids=[], max_prompt_bucket=32,
                       prefill_chunk=32, prefix_cache_bytes=1 << 30)  # fmt: skip
     core.warmup()  # compiles the snapshot copies too: nothing compiles while serving
-    compiled = eng.take_row._cache_size()
+    compiled = eng.serving_programs(core)
     head = [1] + [(5 * i + 2) % 100 + 3 for i in range(70)]  # 71 tokens: chunk boundaries at 32 and 64
     prompts = [head + [11, 12, 13, 14], head + [21, 22]]
     got, _, _ = run_engine(core, prompts, [6, 6])
     assert got == [generate(target, [p], 6, stop_ids=[]).token_ids[0] for p in prompts]
-    assert eng.take_row._cache_size() == compiled
+    assert eng.serving_programs(core) == compiled
     stats = core.prefix_stats()
     assert (stats.lookups, stats.hits, stats.hit_tokens) == (2, 1, 64)
     # The snapshots of the second prompt's own chunks replaced the first one's (same tokens): no duplicates.
@@ -407,7 +406,7 @@ def test_cache_capacity_follows_the_longest_request(llama):
     assert core.capacity_buckets == [128, 256, core.capacity]
     core.warmup()
     assert (core.rows, core.cache_capacity) == (1, 128)
-    compiled = eng.step._cache_size()
+    compiled = eng.serving_programs(core)
     seen = []
     step = core.step
 
@@ -424,7 +423,7 @@ def test_cache_capacity_follows_the_longest_request(llama):
     assert got == ref
     assert seen[0] == 128 and 256 in seen and seen[-1] == 128 and core.capacity not in seen
     assert core.pstate.capacity == core.cache_capacity  # the drafter's ring moved with the target's cache
-    assert eng.step._cache_size() == compiled
+    assert eng.serving_programs(core) == compiled
 
 
 def _multi_turn(turns: int, first_len: int = 20, answer: int = 6, message: int = 5) -> list[tuple[list[int], int]]:

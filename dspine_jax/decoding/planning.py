@@ -177,6 +177,8 @@ def finish_reasons(counts: np.ndarray, stopped: np.ndarray, max_new_tokens: int)
 
 
 def enable_compilation_cache() -> None:
-    """Persist compiled programs across CLI runs (the first run of a shape compiles; later runs reuse)."""
-    jax.config.update("jax_compilation_cache_dir", str(hub.default_cache_dir() / "jax_compilation_cache"))
+    """Persist compiled programs across CLI runs (the first run of a shape compiles; later runs reuse), under
+    the cache root unless ``JAX_COMPILATION_CACHE_DIR`` names another folder."""
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(hub.default_cache_dir() / "jax_compilation_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -9,7 +9,9 @@ Examples::
     python -m dspine_jax.serve --model Qwen/Qwen3-8B --draft tencent/Qwen3-8B-DSpine-b16 --dtype bfloat16
 
 The server listens at once and loads the model and compiles in the background: ``GET /health`` is 503
-``{"status": "starting"}`` until then (requests get a 503 to retry), 200 ``{"status": "ok"}`` once ready.
+``{"status": "starting"}`` until then (requests get a 503 to retry), 200 ``{"status": "ok"}`` once requests
+can be served — with ``--warmup lazy`` (the default) as soon as plain decoding at the smallest shapes is
+compiled, while the other programs compile in the background (``/health`` and ``/metrics`` show how far).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from dspine_jax.drafters.io import load_draft
 from dspine_jax.models import target as tgt
 from dspine_jax.models import tokenizer as tokenizer_io
 from dspine_jax.parallel.mesh import make_mesh
-from dspine_jax.serve.engine import DEFAULT_PREFILL_CHUNK, MIN_PROMPT_BUCKET, EngineCore
+from dspine_jax.serve.engine import DEFAULT_PREFILL_CHUNK, MIN_PROMPT_BUCKET, WARMUP_MODES, EngineCore
+from dspine_jax.serve.programs import DEFAULT_MAX_PROGRAMS
 from dspine_jax.serve.scheduler import StartupError
 from dspine_jax.serve.server import ServerConfig, build_app
 
@@ -92,8 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per prefill call (rows x padded width): a longer prompt is prefilled in chunks "
                         "between decode steps of the running requests, and prompts waiting together share a call")
     p.add_argument("--warmup-prompt-buckets", type=int, default=None,
-                   help="widest prefill chunk: prefill is compiled (in the background, before /health says ok) for "
-                        "widths 32, 64, ... up to this (default: --prefill-chunk)")
+                   help="widest prefill chunk: prompts are prefilled in chunks of widths 32, 64, ... up to this "
+                        "(default: --prefill-chunk)")
+    p.add_argument("--warmup", default="lazy", choices=list(WARMUP_MODES),
+                   help="compiling ahead: 'lazy' serves once plain decoding at the smallest shapes is compiled and "
+                        "compiles the rest in the background (a drafted length not compiled yet runs as plain rounds "
+                        "meanwhile); 'full' compiles every program (up to --max-programs) before /health says ok; "
+                        "'none' compiles each program when a request first needs it")
+    p.add_argument("--max-programs", type=int, default=DEFAULT_MAX_PROGRAMS,
+                   help="compiled programs held at once (least recently used dropped beyond it; also never more than "
+                        "half of the kernel's vm.max_map_count memory maps): bounds memory however many shapes traffic "
+                        "touches")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return p
 
@@ -132,7 +144,7 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
         core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
                           verify_len=args.block_size, sps_table=sps, mesh=mesh, verify=args.verify,
                           max_prompt_bucket=args.warmup_prompt_buckets, max_rounds=args.rounds_per_step,
-                          prefill_chunk=args.prefill_chunk,
+                          prefill_chunk=args.prefill_chunk, max_programs=args.max_programs,
                           prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     except ValueError as e:
         raise StartupError(str(e)) from None
@@ -142,9 +154,11 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
         mode = f"speculative, verify auto over lengths {list(core.candidates)}"
     else:
         mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}"
-    log(f"engine: {args.max_running_requests} slots × {context} tokens, {mode}; compiling")
-    core.warmup(progress=log)
-    log(f"ready after {time.perf_counter() - t0:.1f}s of loading and compiling")
+    log(f"engine: {args.max_running_requests} slots × {context} tokens, {mode}; compiling ({args.warmup} warmup)")
+    core.warmup(args.warmup, progress=log)
+    progress = core.warmup_progress()
+    later = f"; {progress['pending']} more compile in the background" if progress["pending"] else ""
+    log(f"ready after {time.perf_counter() - t0:.1f}s of loading and compiling ({len(core.programs)} programs{later})")
     return core, tokenizer
 
 
@@ -158,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --rounds-per-step must be >= 1")
     if args.warmup_prompt_buckets is not None and args.warmup_prompt_buckets < 1:
         sys.exit("error: --warmup-prompt-buckets must be >= 1")
+    if args.max_programs < 1:
+        sys.exit("error: --max-programs must be >= 1")
     if args.prefill_chunk < MIN_PROMPT_BUCKET:
         sys.exit(f"error: --prefill-chunk must be >= {MIN_PROMPT_BUCKET}")
     try:

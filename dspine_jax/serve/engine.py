@@ -9,8 +9,8 @@ token, not yet in the target cache), whether the slot runs, its sampling paramet
 top-p, top-k per slot) and its PRNG key. The host is the source of truth for token counts, budgets and
 stop strings; the device only knows cache lengths.
 
-Jitted pieces (compiled once per shape; ``EngineCore.warmup`` compiles every shape, which the server
-does in the background before it reports ready):
+Programs (``programs.py``: compiled once per shape, on demand or ahead from abstract shapes by
+``EngineCore.warmup``; at most ``max_programs`` held, least recently used dropped):
 
 * ``prefill_rows`` — one prefill chunk for each of ``P`` prompts at once (``P`` a power of two, no padding
   rows; chunks padded to one power-of-two width ``W``, 32 … ``max_prompt_bucket``; ``P × W`` at most
@@ -32,17 +32,25 @@ does in the background before it reports ready):
   a plain autoregressive step (``--no-speculative``). With ``verify="auto"`` (the default) each step runs
   at the length the adaptive policy (``decoding/adaptive.py``) chose at the end of the previous one, from
   per-slot acceptance statistics kept on the host beside the anchors (when every running slot is
-  greedy, a probe is a peek: ``speculative.policy_round``); one program per length, all compiled by
-  ``warmup``. The cost per length is measured on the first steps of each row bucket (pinned
+  greedy, a probe is a peek: ``speculative.policy_round``); one program per length. A length whose
+  program is not compiled yet, while the background warmup compiles it, runs as plain rounds (every
+  length is exact). The cost per length is measured on the first steps of each row bucket (pinned
   lengths, exact like any other) and cached on disk.
+
+Warmup (``warmup_plan``): every program above at every bucket, in the order traffic needs them — one
+request before several, short contexts before long, plain rounds before drafted ones. ``lazy`` compiles
+what plain decoding at the smallest buckets needs and serves; the rest compiles in the background.
 
 This module keeps only slot bookkeeping: admitting a request, prefilling, stepping, releasing a slot.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,6 +80,15 @@ from dspine_jax.models.cache import ROW_LOOP_MAX_BATCH
 from dspine_jax.parallel.mesh import DATA, use_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
 from dspine_jax.serve.prefix_cache import PrefixCache, PrefixStats
+from dspine_jax.serve.programs import (
+    DEFAULT_MAX_PROGRAMS,
+    ProgramError,
+    Programs,
+    default_max_maps,
+    memory_maps,
+    process_report,
+    program,
+)
 
 COST_SAMPLES = 3  # measured steps per verify length (after one dropped) before a row bucket's costs are set
 MIN_PROMPT_BUCKET = 32
@@ -151,7 +168,7 @@ def _own_buffers(tree):
     return jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), tree)
 
 
-@jax.jit
+@program()
 def read_rows(target: tgt.Target, proposer: Proposer, cache, pstate, slots: Array, fresh: Array):
     """Rows ``slots [P]`` of the slots' caches as a ``P``-row batch (a copy); rows marked ``fresh [P]`` come
     out empty instead (their slot still holds the state of the request it served before)."""
@@ -163,13 +180,13 @@ def read_rows(target: tgt.Target, proposer: Proposer, cache, pstate, slots: Arra
     return jax.tree.map(pick, (rows, prows), empty)
 
 
-@jax.jit
+@program()
 def take_row(rows, prows, i: Array):
     """Row ``i`` of a ``P``-row batch as a batch-1 copy (a prefix-cache snapshot)."""
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=0), (rows, prows))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
+@program(donate=("cache", "pstate"))
 def write_rows(cache, pstate, rows, prows, slots: Array):
     """The ``P``-row batch ``rows`` / ``prows`` written into rows ``slots [P]`` (distinct) of the slots'
     caches, in place (every cache leaf is batch-major)."""
@@ -185,7 +202,7 @@ def write_rows(cache, pstate, rows, prows, slots: Array):
     return cache, pstate
 
 
-@functools.partial(jax.jit, donate_argnames=("rows", "prows"))
+@program(donate=("rows", "prows"))
 def prefill_rows(
     target: tgt.Target, proposer: Proposer, rows, prows, tokens: Array, counts: Array, key_data: Array,
     temperature: Array, top_p: Array, top_k: Array,
@@ -209,7 +226,7 @@ def prefill_rows(
     return rows, prows, first
 
 
-@functools.partial(jax.jit, static_argnames=("capacity",))
+@program()
 def start_row(proposer: Proposer, row, prow, keep: Array, *, capacity: int):
     """A new request's batch-1 caches from a prefix-cache entry: its first ``keep`` tokens, in the slots'
     capacity bucket, in buffers of their own (the entry stays intact for later requests)."""
@@ -220,7 +237,7 @@ def start_row(proposer: Proposer, row, prow, keep: Array, *, capacity: int):
     return row, prow
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "capacity"))  # (no donation: the shapes change)
+@program()
 def refit(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int, capacity: int):
     """The caches with ``rows`` rows of ``capacity`` positions: the first rows kept, empty rows appended
     (every cache leaf is batch-major), position slots appended or dropped (``with_capacity``). Runs when
@@ -233,7 +250,7 @@ def refit(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int, c
     return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), (cache, pstate), extra)
 
 
-@functools.partial(jax.jit, static_argnames=("verify_len", "max_rounds", "peek"), donate_argnames=("cache", "pstate"))
+@program(donate=("cache", "pstate"))
 def step(
     target: tgt.Target, proposer: Proposer, cache, pstate, anchor: Array, running: Array, remaining: Array,
     key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, num_rounds: Array,
@@ -287,7 +304,7 @@ def step(
             history["hit_stop"], done, jax.random.key_data(state.keys), stats, choice, probe)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache", "pstate"))
+@program(donate=("cache", "pstate"))
 def reset_slot(cache, pstate, slot: Array):
     """Zero a freed slot's lengths (its buffers are overwritten by the next prefill)."""
     cache = cache.replace(lengths=cache.lengths.at[slot].set(0))
@@ -357,7 +374,8 @@ class EngineCore:
         bucket_rows: bool = True, mesh: Mesh | None = None, max_prompt_bucket: int | None = None,
         proposer: Proposer | None = None, max_rounds: int = 4, prefix_cache_bytes: int = 0,
         verify: int | str = "auto", verify_costs: dict[int, dict[int, float]] | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_programs: int | None = DEFAULT_MAX_PROGRAMS,
+        max_maps: int | None | str = "auto",
     ):
         """``mesh``: decode tensor/data parallel on a ``data`` × ``model`` mesh (dspine_jax/parallel/mesh.py); the
         target and drafter are laid out on it here, and slots are split over ``data``.
@@ -372,7 +390,9 @@ class EngineCore:
         chosen from the slots' acceptance and the cost per length, measured online on the first steps of
         each row bucket and cached on disk) or a fixed length; ``verify_len`` (a fixed length) and
         ``sps_table`` (lengths by batch size) take precedence. ``verify_costs {rows: {T: seconds}}``
-        replaces the measurement (tests)."""
+        replaces the measurement (tests). ``max_programs`` / ``max_maps``: the compiled programs held at once
+        and the process's memory maps beyond which the least recently used program is dropped (``programs.py``;
+        ``"auto"``: half of ``vm.max_map_count``; None: no bound)."""
         config = target.config
         dp = mesh.shape[DATA] if mesh is not None else 1
         if num_slots % dp:
@@ -389,6 +409,12 @@ class EngineCore:
         if proposer is None:
             proposer = NoProposer() if drafter is None else DrafterProposer(drafter)
         self.proposer = proposer
+        self.programs = Programs(fixed=(target, proposer), max_programs=max_programs,
+                                 max_maps=default_max_maps() if max_maps == "auto" else max_maps,
+                                 shardings=mesh is not None)
+        self._warmer: Warmer | None = None  # the background warmup (``warmup("lazy")``)
+        self._full_warmup = (0, 0)  # (compiled, planned) by a ``full`` warmup
+        self._cache_specs: dict[tuple[int, int], Any] = {}  # (rows, capacity) → abstract caches
         self.num_slots, self.context_length = num_slots, context_length
         verify = parse_verify(verify)
         self.candidates: tuple[int, ...] = ()  # adaptive verification's lengths (empty: fixed lengths)
@@ -412,8 +438,7 @@ class EngineCore:
         # built once rather than per step.
         self._unit_policy = adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0)) if self.candidates else None
         self._next_length: tuple[int, bool] | None = None  # the policy's choice for the next step, a probe?
-        self._forced_length: int | None = None  # warmup compiles every length
-        self._forced_peek = False  # and the peek
+        self._forced_length: int | None = None  # tests pin a length
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
         self.max_rounds = max_rounds
@@ -443,7 +468,6 @@ class EngineCore:
         self.prefilling: dict[int, Prefill] = {}  # slot → its prompt being prefilled (occupied, not running)
         self._admitted = 0  # admission counter (prefill order among equally long rests)
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self._warming = False
         self._seed_counter = 0
         # Step variants by rows covered: 1, 2, 4, … and S (``bucket_rows=False``: always S); under data
         # parallelism only multiples of the data groups, so every device keeps its own rows.
@@ -453,7 +477,6 @@ class EngineCore:
         # what the occupied slots need, so attention never spans the whole context for short requests.
         resizable = hasattr(tgt.init_cache(target, 1, 1), "with_capacity") and hasattr(self.proposer, "with_capacity")
         self.capacity_buckets = capacity_buckets(self.capacity) if resizable else [self.capacity]
-        self._forced_capacity: int | None = None  # warmup compiles every capacity
         self._init_caches()
 
     def _init_caches(self) -> None:
@@ -464,6 +487,8 @@ class EngineCore:
             # Distinct buffers per leaf (init_draft_cache shares one zeros array between k and v): donation
             # needs every leaf to own its buffer.
             self.cache, self.pstate = jax.tree.map(lambda x: jnp.array(x, copy=True), (cache, pstate))
+        self._base_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                       (self.cache, self.pstate))
 
     def reset(self) -> None:
         """Drop every slot and rebuild the caches (after a failed step, whose donated buffers are gone)."""
@@ -501,13 +526,11 @@ class EngineCore:
         """Resize the caches to the row bucket covering slots ``[0, highest)`` and the capacity bucket
         covering ``positions`` (once per bucket change; a no-op otherwise)."""
         rows = self.rows_for(max(highest, 1))
-        forced = self._forced_capacity
-        capacity = forced or next(c for c in self.capacity_buckets if c >= min(positions, self.capacity))
+        capacity = next(c for c in self.capacity_buckets if c >= min(positions, self.capacity))
         if (rows, capacity) != (self.rows, self.cache_capacity):
-            with use_mesh(self.mesh):
-                self.cache, self.pstate = refit(
-                    self.target, self.proposer, self.cache, self.pstate, rows=rows, capacity=capacity
-                )
+            self.cache, self.pstate = self._run(
+                refit, self.target, self.proposer, self.cache, self.pstate, rows=rows, capacity=capacity
+            )
 
     def _needed_positions(self) -> int:
         """Positions the occupied slots need for the verify blocks of their next step, and the prompts being
@@ -559,9 +582,10 @@ class EngineCore:
         self.history[slot] = prompt
         self._fit(max(slot + 1, self._highest_occupied()), self._needed_positions())
         if entry is not None:
-            with use_mesh(self.mesh):
-                row, prow = start_row(self.proposer, entry.row, entry.prow, jnp.int32(keep), capacity=self.cache_capacity)
-                self.cache, self.pstate = write_rows(self.cache, self.pstate, row, prow, jnp.asarray([slot], jnp.int32))
+            row, prow = self._run(start_row, self.proposer, entry.row, entry.prow, jnp.int32(keep),
+                                  capacity=self.cache_capacity)
+            self.cache, self.pstate = self._run(write_rows, self.cache, self.pstate, row, prow,
+                                                jnp.asarray([slot], jnp.int32))
 
     def num_prefilling(self) -> int:
         return len(self.prefilling)
@@ -587,17 +611,20 @@ class EngineCore:
             chunk = job.prompt[done[s] : done[s] + width]
             tokens[i, : len(chunk)], counts[i] = chunk, len(chunk)
         slot_ids = jnp.asarray(rows, jnp.int32)
-        with use_mesh(self.mesh):
-            batch, pbatch = read_rows(self.target, self.proposer, self.cache, self.pstate, slot_ids,
+        try:
+            batch, pbatch = self._run(read_rows, self.target, self.proposer, self.cache, self.pstate, slot_ids,
                                       jnp.asarray([job.fresh for job in jobs]))
-            batch, pbatch, first = prefill_rows(
-                self.target, self.proposer, batch, pbatch, jnp.asarray(tokens), jnp.asarray(counts),
+            batch, pbatch, first = self._run(
+                prefill_rows, self.target, self.proposer, batch, pbatch, jnp.asarray(tokens), jnp.asarray(counts),
                 jnp.asarray(np.stack([job.key for job in jobs])),
                 jnp.asarray([job.params.temperature for job in jobs], jnp.float32),
                 jnp.asarray([job.params.top_p for job in jobs], jnp.float32),
                 jnp.asarray([job.params.top_k for job in jobs], jnp.int32),
             )
-            self.cache, self.pstate = write_rows(self.cache, self.pstate, batch, pbatch, slot_ids)
+            self.cache, self.pstate = self._run(write_rows, self.cache, self.pstate, batch, pbatch, slot_ids)
+        except ProgramError as e:  # raised before the program ran: the slots' caches are intact
+            e.slots = rows
+            raise
         first = np.asarray(jax.device_get(first))
         finished = {}
         for i, (s, job) in enumerate(zip(rows, jobs)):
@@ -605,10 +632,8 @@ class EngineCore:
             self.lengths[s] += int(counts[i])
             if self.lengths[s] == len(job.prompt):
                 finished[s] = self._start_decoding(s, self.prefilling.pop(s), int(first[i]))
-            elif self._chunk_snapshots and not self._warming:
+            elif self._chunk_snapshots:
                 self._prefix_snapshot(job.prompt[: self.lengths[s]], batch, pbatch, i)
-        if self._chunk_snapshots and self._warming:  # compile the snapshot copy for this (P, capacity)
-            self._prefix_snapshot(None, batch, pbatch, 0)
         return finished
 
     @property
@@ -620,12 +645,10 @@ class EngineCore:
         last chunk boundary they share. Dense rows truncate to any prefix: their finished rows serve already."""
         return self.prefix_cache is not None and not getattr(self.cache, "prefix_truncatable", False)
 
-    def _prefix_snapshot(self, tokens: list[int] | None, batch, pbatch, i: int) -> None:
-        """Keep row ``i`` of a prefilled batch, holding ``tokens`` (None: only compile the copy)."""
-        with use_mesh(self.mesh):
-            row, prow = take_row(batch, pbatch, jnp.int32(i))
-        if tokens is not None:
-            self.prefix_cache.insert(tokens, row, prow, truncatable=False)
+    def _prefix_snapshot(self, tokens: list[int], batch, pbatch, i: int) -> None:
+        """Keep row ``i`` of a prefilled batch, holding ``tokens``."""
+        row, prow = self._run(take_row, batch, pbatch, jnp.int32(i))
+        self.prefix_cache.insert(tokens, row, prow, truncatable=False)
 
     def _start_decoding(self, slot: int, job: Prefill, first: int) -> tuple[int, str | None]:
         """The slot's prompt is in its caches and ``first`` sampled: it runs from the next step."""
@@ -654,7 +677,7 @@ class EngineCore:
 
     def _prefix_lookup(self, prompt: list[int]) -> tuple[Any, int]:
         """The prefix-cache entry to start ``prompt`` from and how many of its tokens to keep."""
-        if self.prefix_cache is None or self._warming:
+        if self.prefix_cache is None:
             return None, 0
 
         def usable(entry, shared: int) -> int:
@@ -667,13 +690,12 @@ class EngineCore:
     def _prefix_insert(self, slot: int) -> None:
         """Keep a finished slot's row (its committed tokens) for later prompts that start the same way."""
         committed = int(self.lengths[slot])
-        if self.prefix_cache is None or self._warming or not self.occupied[slot] or committed < 2:
+        if self.prefix_cache is None or not self.occupied[slot] or committed < 2:
             return
         if slot in self.prefilling:
             return  # a prompt cancelled while being prefilled is not kept
-        with use_mesh(self.mesh):
-            row, prow = read_rows(self.target, self.proposer, self.cache, self.pstate, jnp.asarray([slot], jnp.int32),
-                                  jnp.asarray([False]))
+        row, prow = self._run(read_rows, self.target, self.proposer, self.cache, self.pstate,
+                              jnp.asarray([slot], jnp.int32), jnp.asarray([False]))
         ring_ok = prow is None or committed <= prow.capacity  # a ring that never wrapped truncates like K/V
         truncatable = bool(getattr(row, "prefix_truncatable", False)) and ring_ok
         self.prefix_cache.insert(self.history[slot][:committed], row, prow, truncatable)
@@ -691,8 +713,7 @@ class EngineCore:
         self.remaining[slot] = 0
         self.lengths[slot] = 0
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = 0.0, 1.0, 0
-        with use_mesh(self.mesh):
-            self.cache, self.pstate = reset_slot(self.cache, self.pstate, jnp.int32(slot))
+        self.cache, self.pstate = self._run(reset_slot, self.cache, self.pstate, jnp.int32(slot))
 
     def step(self, rounds: int | None = None) -> StepResult:
         """Up to ``rounds`` rounds (default ``max_rounds``) for every running slot in one device call."""
@@ -725,16 +746,22 @@ class EngineCore:
         rounds = 1 if probe else rounds  # a probe is one round; the policy decides again after it
         # Greedy slots probe by a peek: a plain round plus a one-token draft (sampled ones verify 2 tokens).
         greedy = not np.any(active[:r] & (self.temperature[:r] > 0))
-        peek = self._forced_peek or adaptive.peeks(t, probe, greedy)
+        peek = adaptive.peeks(t, probe, greedy)
         t = 1 if peek else t
-        start = time.perf_counter()
-        with use_mesh(self.mesh):
-            self.cache, self.pstate, *outputs = step(
-                self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
+        args = (self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
                 jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
                 jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, jnp.int32(rounds),
-                policy, jax.tree.map(lambda a: a[:r], self.stats), verify_len=t, max_rounds=self.max_rounds, peek=peek,
-            )
+                policy, jax.tree.map(lambda a: a[:r], self.stats))
+        static = dict(verify_len=t, max_rounds=self.max_rounds, peek=peek)
+        if (t, peek) != (1, False) and self._forced_length is None and not self.programs.ready(step, args, static):
+            if self._warmer is not None:  # compiled in the background, first in line; plain rounds meanwhile
+                self._warmer.want(self._planned_step(r, self.cache_capacity, t, peek))
+                t, peek, chosen, calibrating = 1, False, False, False
+                static = dict(static, verify_len=1, peek=False)
+        with use_mesh(self.mesh):
+            program = self.programs.get(step, args, static)  # (compiled before the clock starts)
+            start = time.perf_counter()
+            self.cache, self.pstate, *outputs = program(*args)
         return PendingStep(outputs, active, n, r, t, peek, policy, chosen, calibrating, start)
 
     def collect(self, pending: PendingStep) -> StepResult:
@@ -783,7 +810,7 @@ class EngineCore:
         if self._forced_length is not None:
             return unit, self._forced_length
         costs = self.costs.get(rows)
-        if costs is None and not self._warming:
+        if costs is None:
             costs, segments = adaptive.load_cost_entry(self._costs_key(rows)) or (None, None)
             if costs is not None:
                 self.costs[rows] = costs
@@ -801,8 +828,6 @@ class EngineCore:
     def _record_cost(self, rows: int, length: int, seconds_per_round: float) -> None:
         """One measured step (the first at each length is dropped: it may include compilation); once every
         length has ``COST_SAMPLES``, the medians become the row bucket's costs, also stored on disk."""
-        if self._warming:
-            return
         samples = self._cost_samples[rows]
         samples[length].append(seconds_per_round)
         if all(len(v) > COST_SAMPLES for v in samples.values()):
@@ -812,57 +837,241 @@ class EngineCore:
             self._estimates[rows] = adaptive.CostEstimate(costs, segments)
             adaptive.store_costs(self._costs_key(rows), costs, segments)
 
-    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile every prefill call (rows × width, and the row copies at every row bucket) and step variant
-        (verify lengths × row buckets) at every capacity bucket, so nothing compiles while serving but the
-        (small) resizes between buckets."""
-        bos = self.target.config.bos_token_id or 1
+    # -- programs: compiled on demand, or ahead (warmup) from abstract shapes
+    def _run(self, fn: Callable, *args: Any, **static: Any) -> Any:
+        """``fn(*args, **static)`` through its compiled program (compiled now if no thread has yet)."""
+        with use_mesh(self.mesh):
+            return self.programs.run(fn, *args, **static)
 
-        def prefill_together(slots: range, width: int) -> None:
-            """Prompts of ``width`` tokens in ``slots``, prefilled in one call (``plan_batch``'s choice for them)."""
-            for slot in slots:
-                self.admit(slot, [bos] * min(width, self.context_length), 1, SlotParams())
-            finished = self.prefill()
-            assert set(finished) == set(slots), "warmup: the prompts did not share one prefill call"
-            for slot in slots:
-                self.release(slot)
+    def _abstract_caches(self, rows: int, capacity: int) -> tuple[Any, Any]:
+        """The slots' caches at ``rows`` × ``capacity`` as ``ShapeDtypeStruct``s, as ``refit`` makes them."""
+        key = (rows, capacity)
+        if key not in self._cache_specs:
+            with use_mesh(self.mesh):
+                spec = jax.eval_shape(functools.partial(refit, rows=rows, capacity=capacity), self.target,
+                                      self.proposer, *self._base_spec)
+            if self.mesh is not None:  # a leaf's layout does not depend on the bucket (rows split over data)
+                spec = jax.tree.map(lambda a, b: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=b.sharding),
+                                    spec, self._base_spec)
+            self._cache_specs[key] = spec
+        return self._cache_specs[key]
 
-        self._warming = True  # warmup rows stay out of the prefix cache
-        try:
+    def _planned_step(self, rows: int, capacity: int, t: int, peek: bool) -> Planned:
+        cache, pstate = self._abstract_caches(rows, capacity)
+        policy = adaptive.fixed_policy(t) if not self.candidates else self._unit_policy
+        stats = jax.tree.map(lambda a: _spec((rows,) + a.shape[1:], a.dtype), self.stats)
+        args = (self.target, self.proposer, cache, pstate, _spec((rows,), jnp.int32), _spec((rows,), bool),
+                _spec((rows,), jnp.int32), _spec((rows, 2), jnp.uint32), _spec((rows,), jnp.float32),
+                _spec((rows,), jnp.float32), _spec((rows,), jnp.int32), self.stop_ids, _spec((), jnp.int32),
+                policy, stats)
+        what = "peek" if peek else f"verify {t}"
+        return Planned(f"step ({what}, {rows} rows, capacity {capacity})", step, args,
+                       dict(verify_len=t, max_rounds=self.max_rounds, peek=peek))
+
+    def _planned_prefill(self, rows: int, capacity: int, size: int, width: int) -> list[Planned]:
+        """The programs of one prefill call: ``size`` prompts' chunks of ``width`` into ``rows`` × ``capacity``."""
+        cache, pstate = self._abstract_caches(rows, capacity)
+        slots = _spec((size,), jnp.int32)
+        read = (self.target, self.proposer, cache, pstate, slots, _spec((size,), bool))
+        with use_mesh(self.mesh):
+            batch = jax.eval_shape(read_rows, *read)
+        fill = (self.target, self.proposer, *batch, _spec((size, width), jnp.int32), _spec((size,), jnp.int32),
+                _spec((size, 2), jnp.uint32), _spec((size,), jnp.float32), _spec((size,), jnp.float32),
+                _spec((size,), jnp.int32))
+        where = f"{size} × {width} tokens, {rows} rows, capacity {capacity}"
+        planned = [Planned(f"prefill ({where})", read_rows, read), Planned(f"prefill ({where})", prefill_rows, fill),
+                   Planned(f"prefill ({where})", write_rows, (cache, pstate, *batch, slots))]
+        if self._chunk_snapshots:
+            planned.append(Planned(f"prefix snapshot ({where})", take_row, (*batch, _spec((), jnp.int32))))
+        return planned
+
+    def warmup_plan(self) -> tuple[list[Planned], int]:
+        """Every program serving may run, in the order traffic needs them, and how many of the first ones
+        plain decoding at the smallest buckets needs (what ``lazy`` warmup compiles before serving): one
+        request at a time before several, short contexts before long, plain rounds before drafted ones
+        (a verify length whose program is not compiled yet runs as plain rounds meanwhile)."""
+        lengths = self.candidates or sorted(set(self.verify_lengths.values()))
+        drafted = [(t, peek) for t, peek in adaptive.programs(lengths, greedy_probes=bool(self.candidates))
+                   if (t, peek) != (1, False)]
+        drafted.sort(key=lambda p: (not p[1], p[0] == adaptive.PROBE_LENGTH, p[0]))  # peek, then 4, 8, …, 2
+        plain = [] if 1 not in lengths else [(1, False)]
+        plan: list[Planned] = []
+        first = True
+        for rows in self.row_buckets:
             for capacity in self.capacity_buckets:
-                self._forced_capacity = capacity
-                copies = set()  # (row bucket, batch rows) whose row copies are compiled
-                for width in self.prompt_widths:
-                    if width > capacity:
-                        continue  # (plan_prefill never picks a chunk wider than the cache)
-                    for size in self.prefill_sizes:
-                        if size * width > self.prefill_budget:
-                            continue
-                        if progress:
-                            progress(f"compiling prefill ({size} × {width} tokens, capacity {capacity})")
-                        prefill_together(range(size), width)
-                        copies.add((self.rows_for(size), size))
-                for rows in self.row_buckets:  # a batch in the highest slots of each row bucket
-                    for size in self.prefill_sizes:
-                        possible = size <= rows and size * MIN_PROMPT_BUCKET <= self.prefill_budget
-                        if possible and (rows, size) not in copies:
-                            if progress:
-                                progress(f"compiling prefill copies ({size} of {rows} rows, capacity {capacity})")
-                            prefill_together(range(rows - size, rows), MIN_PROMPT_BUCKET)
-                lengths = self.candidates or sorted(set(self.verify_lengths.values()))
-                for t, peek in adaptive.programs(lengths, greedy_probes=bool(self.candidates)):
-                    for rows in self.row_buckets:
-                        if progress:
-                            what = "peek" if peek else f"verify length {t}"
-                            progress(f"compiling step ({what}, {rows} rows, capacity {capacity})")
-                        slot = rows - 1
-                        self.add(slot, [bos], 2, SlotParams())
-                        self._forced_length, self._forced_peek = t, peek
-                        try:
-                            self.step()
-                        finally:
-                            self._forced_length, self._forced_peek = None, False
-                        self.release(slot)
-        finally:
-            self._forced_capacity, self._warming = None, False
-        self._fit(0, 1)  # back to the smallest buckets
+                cache, pstate = self._abstract_caches(rows, capacity)
+                widths = [w for w in self.prompt_widths if w <= capacity]
+                plan.append(Planned(f"release ({rows} rows, capacity {capacity})", reset_slot,
+                                    (cache, pstate, _spec((), jnp.int32))))
+                plan += self._planned_prefill(rows, capacity, 1, widths[0])
+                plan += [self._planned_step(rows, capacity, t, peek) for t, peek in plain or drafted[:1]]
+                if first:
+                    minimal, first = len(plan), False
+                plan += [p for w in widths[1:] for p in self._planned_prefill(rows, capacity, 1, w)]
+                plan += [self._planned_step(rows, capacity, t, peek) for t, peek in drafted[0 if plain else 1:]]
+                plan += [p for size in self.prefill_sizes[1:] if size <= rows for w in widths
+                         if size * w <= self.prefill_budget for p in self._planned_prefill(rows, capacity, size, w)]
+        unique: dict[Any, Planned] = {}
+        for p in plan:
+            unique.setdefault(self.programs.key(p.fn, p.args, p.static), p)
+        firsts = {self.programs.key(p.fn, p.args, p.static) for p in plan[:minimal]}
+        return list(unique.values()), len(firsts)
+
+    def warmup(self, mode: str = "full", progress: Callable[[str], None] | None = None) -> None:
+        """Compile ahead, from abstract shapes (no request runs): ``full`` every program of ``warmup_plan``
+        (up to the program budget) before returning; ``lazy`` those plain decoding at the smallest buckets
+        needs, then the rest on a background thread, in order, while the engine serves (a program the engine
+        needs first moves to the front); ``none`` nothing (every program compiles when first needed)."""
+        if mode not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {mode!r}")
+        if mode == "none":
+            return
+        plan, minimal = self.warmup_plan()
+        warmer = Warmer(self, plan, progress)
+        warmer.ahead(len(plan) if mode == "full" else minimal)
+        if mode == "lazy":
+            self._warmer = warmer
+            warmer.start()
+        else:
+            self._full_warmup = (warmer.compiled, warmer.planned)
+
+    def warmup_progress(self) -> dict[str, Any]:
+        """What the warmup has compiled and what it still plans (``/health``, ``/metrics``)."""
+        warmer = self._warmer
+        if warmer is None:
+            compiled, planned = self._full_warmup
+            return {"planned": planned, "compiled": compiled, "pending": 0}
+        return {"planned": warmer.planned, "compiled": warmer.compiled,
+                "pending": len(warmer.plan) + len(warmer.wanted) + warmer.busy}
+
+    def program_report(self) -> dict[str, Any]:
+        """Compiled programs, warmup progress and the process's memory maps and resident bytes (``/metrics``)."""
+        stats, warmup, process = self.programs.stats, self.warmup_progress(), process_report()
+        return {"programs": len(self.programs), "program_compiles_total": stats.compiles,
+                "program_evictions_total": stats.evictions, "program_failures_total": stats.failures,
+                "program_compile_seconds_total": stats.seconds, "warmup_planned": warmup["planned"],
+                "warmup_compiled": warmup["compiled"], "warmup_pending": warmup["pending"],
+                "process_memory_maps": process["maps"], "process_resident_bytes": process["rss_bytes"]}
+
+    def close(self) -> None:
+        """Stop the background warmup (the server's shutdown)."""
+        if self._warmer is not None:
+            self._warmer.stop(join=True)
+
+
+WARMUP_MODES = ("full", "lazy", "none")
+RESIZES = ("refit", "start_row")  # compiled when first needed, also after a full warmup (a pair of buckets each)
+
+
+def serving_programs(core: EngineCore) -> dict[str, int]:
+    """Compilations per program, less the resizes: what a full warmup leaves nothing to add to."""
+    return {k: v for k, v in core.programs.stats.by_name.items() if k not in RESIZES}
+BACKGROUND_SHARE = 0.75  # the background warmup stops at this share of the program and memory-map budgets
+
+
+def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+@dataclasses.dataclass
+class Planned:
+    """A program to compile ahead: ``fn(*args, **static)`` with abstract ``args``."""
+
+    label: str
+    fn: Callable
+    args: tuple
+    static: dict = dataclasses.field(default_factory=dict)
+
+
+class Warmer(threading.Thread):
+    """Compiles an engine's planned programs in order: the first ones in the calling thread (``ahead``), the
+    rest in the background (``start``) while the engine serves. ``want`` puts a program traffic needs now
+    in front of the plan. The plan stops at ``BACKGROUND_SHARE`` of the budgets, so it never evicts what
+    traffic compiled; wanted programs compile whatever the budget (the least recently used one goes)."""
+
+    def __init__(self, core: EngineCore, plan: list[Planned], progress: Callable[[str], None] | None):
+        super().__init__(name="dspine-warmup", daemon=True)
+        self.core, self.progress = core, progress
+        self.plan = collections.deque(plan)
+        self.wanted: collections.deque[Planned] = collections.deque()
+        self.planned, self.compiled = len(plan), 0
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.busy = False  # compiling an item taken off the queues
+
+    def want(self, item: Planned) -> None:
+        with self.cond:
+            if all(self.core.programs.key(w.fn, w.args, w.static) != self.core.programs.key(item.fn, item.args, item.static)
+                   for w in self.wanted):
+                self.wanted.append(item)
+            self.cond.notify_all()
+
+    def start(self) -> None:
+        atexit.register(self.stop, join=True)  # an interpreter must not exit under a running XLA compile
+        super().start()
+
+    def stop(self, join: bool = False) -> None:
+        """Stop after the program being compiled (``join``: wait for it)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if join and self.is_alive() and threading.current_thread() is not self:
+            self.join()
+
+    def _full(self, share: float) -> bool:
+        programs = self.core.programs
+        if programs.max_programs is not None and len(programs) >= share * programs.max_programs:
+            return True
+        maps = memory_maps() if programs.max_maps is not None else None
+        return maps is not None and maps >= share * programs.max_maps
+
+    def _compile(self, item: Planned, planned: bool) -> None:
+        programs = self.core.programs
+        if programs.ready(item.fn, item.args, item.static):
+            return
+        start = time.perf_counter()
+        try:
+            with use_mesh(self.core.mesh):
+                programs.get(item.fn, item.args, item.static)
+        except ProgramError as e:  # serving compiles it again when needed, and fails that request
+            if self.progress:
+                self.progress(f"warmup: {e}")
+            return
+        self.compiled += planned
+        if self.progress:
+            count = f" [{self.compiled}/{self.planned}]" if planned else " (needed now)"
+            self.progress(f"compiled {item.label}: {item.fn.__name__} in {time.perf_counter() - start:.1f}s{count}")
+
+    def ahead(self, count: int) -> None:
+        """Compile the next ``count`` planned programs in this thread, within the whole budget."""
+        for _ in range(count):
+            if not self.plan or self._full(1.0):
+                break
+            self._compile(self.plan.popleft(), planned=True)
+
+    def run(self) -> None:
+        """The background: wanted programs first, then the plan while under ``BACKGROUND_SHARE`` of the budget."""
+        while True:
+            with self.cond:
+                while not self.stopping and not self.wanted and not self.plan:
+                    self.cond.wait()
+                if self.stopping:
+                    return
+                wanted = bool(self.wanted)
+                item = self.wanted.popleft() if wanted else self.plan.popleft()
+                self.busy = True
+            if not wanted and self._full(BACKGROUND_SHARE):
+                with self.cond:
+                    self.plan.clear()
+                if self.progress:
+                    programs = self.core.programs
+                    self.progress(f"warmup stops at {len(programs)} programs (budget {programs.max_programs} "
+                                  f"programs, {programs.max_maps} memory maps); the rest compile when first needed")
+                self.busy = False
+                continue
+            self._compile(item, planned=not wanted)
+            if not wanted and not self.plan and self.progress:
+                report = process_report()
+                self.progress(f"warmup done: {len(self.core.programs)} programs held, {report['maps']} memory "
+                              f"maps, {(report['rss_bytes'] or 0) / 2**30:.1f} GiB resident")
+            self.busy = False

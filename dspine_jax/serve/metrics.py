@@ -46,6 +46,7 @@ class Metrics:
         self.ttft = Histogram([0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60])
         self._window = collections.deque()  # (time, tokens, step seconds)
         self.prefix_stats: Callable[[], Any] | None = None  # the engine's prefix-cache counters, once it exists
+        self.program_stats: Callable[[], dict[str, Any]] | None = None  # compiled programs, warmup, process memory
 
     def set_max_acceptance(self, max_acceptance: int) -> None:
         """Acceptance-length buckets 1 … ``max_acceptance`` (the server learns it once the engine is built)."""
@@ -130,4 +131,21 @@ class Metrics:
                     ("evictions_total", "counter", "Rows evicted under the memory budget.", prefix.evictions),
                 ):
                     metric(f"dspine_prefix_cache_{name}", kind, help_, [f"dspine_prefix_cache_{name} {_fmt(value)}"])
+            programs = self.program_stats() if self.program_stats is not None else None
+            if programs is not None:
+                for name, kind, help_ in (
+                    ("programs", "gauge", "Compiled programs held (bounded by --max-programs and the memory maps)."),
+                    ("program_compiles_total", "counter", "Programs compiled (or loaded from the compilation cache)."),
+                    ("program_evictions_total", "counter", "Programs dropped under the budget (compiled again if needed)."),
+                    ("program_failures_total", "counter", "Compilations that failed (the requests needing them got a 5xx)."),
+                    ("program_compile_seconds_total", "counter", "Seconds spent compiling."),
+                    ("warmup_planned", "gauge", "Programs the warmup plans to compile ahead."),
+                    ("warmup_compiled", "gauge", "Planned programs the warmup has compiled."),
+                    ("warmup_pending", "gauge", "Programs still waiting for the background warmup."),
+                    ("process_memory_maps", "gauge", "Memory maps of the server process (Linux vm.max_map_count bounds them)."),
+                    ("process_resident_bytes", "gauge", "Resident memory of the server process."),
+                ):
+                    value = programs.get(name)
+                    if value is not None:
+                        metric(f"dspine_{name}", kind, help_, [f"dspine_{name} {_fmt(value)}"])
         return "\n".join(out) + "\n"

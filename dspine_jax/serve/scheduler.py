@@ -21,8 +21,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from dspine_jax.serve.engine import EngineCore, SlotParams
 from dspine_jax.serve.metrics import Metrics
+from dspine_jax.serve.programs import ProgramError
 
 # Builds the engine core and its tokenizer; runs on the engine thread while the server says "starting".
 Loader = Callable[[], tuple[EngineCore, Any]]
@@ -131,6 +134,7 @@ class AsyncEngine:
             self.cond.notify_all()
         if self.ready.is_set():  # a loader cannot be interrupted: leave it to die with the (daemon) thread
             self.thread.join(timeout=30)
+            self.core.close()
 
     def submit(self, req: GenRequest) -> None:
         with self.cond:
@@ -203,6 +207,7 @@ class AsyncEngine:
             self.core, self.tokenizer = self.load()
             self.metrics.set_max_acceptance(self.core.max_verify)
             self.metrics.prefix_stats = self.core.prefix_stats
+            self.metrics.program_stats = self.core.program_report
         except Exception as e:
             if not isinstance(e, StartupError):
                 traceback.print_exception(e)
@@ -272,7 +277,12 @@ class AsyncEngine:
         # prompt goes in chunk by chunk while the running requests keep decoding.
         if core.num_prefilling():
             self._deliver_step()  # (a prefill call is not overlapped: stream the last step first)
-            for slot, (first, reason) in core.prefill().items():
+            try:
+                firsts = core.prefill()
+            except ProgramError as e:  # nothing ran: fail the prompts of that call, the others go on
+                self._fail_slots(e.slots, e)
+                firsts = {}
+            for slot, (first, reason) in firsts.items():
                 self._deliver_to(slot, [first], reason)
         self.metrics.running = len(self.active)
         if core.num_running() == 0:
@@ -283,9 +293,14 @@ class AsyncEngine:
         # (first tokens) come soon; else up to ``max_rounds`` (a request arriving meanwhile waits that long).
         with self.cond:
             admitting = bool(self.waiting) and core.free_slot() is not None
-        self.in_flight = True
         try:
             pending = core.launch(rounds=1 if core.num_prefilling() or admitting else None)
+        except ProgramError as e:  # the step could not be compiled (nothing ran): fail the running requests
+            self._deliver_step()
+            self._fail_slots([int(s) for s in np.flatnonzero(core.running)], e)
+            return
+        self.in_flight = True
+        try:
             self._deliver_step()  # detokenise and stream the last step while this one runs
             result = core.collect(pending)
         finally:
@@ -312,6 +327,15 @@ class AsyncEngine:
                 self._deliver(req, tokens, reason)
             except Exception as e:
                 self._fail(req, e)
+
+    def _fail_slots(self, slots: list[int], exc: BaseException) -> None:
+        """Fail the requests in ``slots`` (their slots are released; the engine goes on serving)."""
+        for slot in slots:
+            req = self.active.get(slot)
+            if req is not None:
+                self._fail(req, exc)
+            else:
+                self.core.release(slot)
 
     def _deliver_to(self, slot: int, tokens: list[int], reason: str | None) -> None:
         """``_deliver`` to the request in ``slot``; a failure fails only that request."""

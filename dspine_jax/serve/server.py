@@ -152,7 +152,8 @@ class Server:
         engine = self.engine
         if engine.state == "ready":
             alive = engine.thread.is_alive()
-            return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+            body = {"status": "ok" if alive else "engine stopped", "warmup": engine.core.warmup_progress()}
+            return JSONResponse(body, status_code=200 if alive else 503)
         body = {"status": engine.state} | ({"error": engine.error} if engine.error else {})
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
