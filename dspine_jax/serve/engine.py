@@ -951,7 +951,8 @@ class EngineCore:
                 "program_evictions_total": stats.evictions, "program_failures_total": stats.failures,
                 "program_compile_seconds_total": stats.seconds, "warmup_planned": warmup["planned"],
                 "warmup_compiled": warmup["compiled"], "warmup_pending": warmup["pending"],
-                "process_memory_maps": process["maps"], "process_resident_bytes": process["rss_bytes"]}
+                "process_memory_maps": process["maps"], "process_resident_bytes": process["rss_bytes"],
+                "program_compiles_by_function": dict(stats.by_name)}
 
     def close(self) -> None:
         """Stop the background warmup (the server's shutdown)."""

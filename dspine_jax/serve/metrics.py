@@ -148,4 +148,8 @@ class Metrics:
                     value = programs.get(name)
                     if value is not None:
                         metric(f"dspine_{name}", kind, help_, [f"dspine_{name} {_fmt(value)}"])
+                by_function = programs.get("program_compiles_by_function") or {}
+                metric("dspine_program_compiles_by_function_total", "counter", "Programs compiled, by engine function.",
+                       [f'dspine_program_compiles_by_function_total{{function="{f}"}} {n}'
+                        for f, n in sorted(by_function.items())])
         return "\n".join(out) + "\n"

@@ -19,6 +19,7 @@ before any donated argument is consumed, so the caller's buffers are intact.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import inspect
 import threading
@@ -222,10 +223,27 @@ class Programs:
                 victim = self._entries.pop(held[0], None)
                 self.stats.evictions += 1
             del victim  # the executable (and its memory maps) go with the last reference
+            _return_free_memory()
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+def _return_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc ``malloc_trim``): a compile leaves ~50–80 MB of
+    freed but still resident heap behind on XLA:CPU, which an evicted program would otherwise keep in RSS."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def _describe(static: dict[str, Hashable]) -> str:

@@ -73,14 +73,14 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
-def bucket_load(base: str, concurrency: int, max_tokens: int, words: int) -> list[dict]:
+def bucket_load(base: str, model: str, concurrency: int, max_tokens: int, words: int) -> list[dict]:
     """``concurrency`` requests at once whose prompts have about ``words`` words."""
     filler = " ".join(f"item{i}" for i in range(words))
 
     async def go():
         async with httpx.AsyncClient() as client:
             prompts = [f"{FALLBACK_PROMPTS[i % 8]} Context: {filler}" for i in range(concurrency)]
-            return await asyncio.gather(*[one_request(client, base, "m", p, max_tokens, 900) for p in prompts])
+            return await asyncio.gather(*[one_request(client, base, model, p, max_tokens, 900) for p in prompts])
 
     return asyncio.run(go())
 
@@ -118,15 +118,19 @@ def main() -> None:
                             pass
                         stop.wait(1.0)
 
+                model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
                 sampler = threading.Thread(target=sample, daemon=True)
                 sampler.start()
                 levels = []
-                # words → prompt tokens ≈ 2 × words: capacity buckets 128, 256, 512, 1024, 2056
-                for words, max_tokens in ((10, 32), (60, 64), (150, 64), (330, 64), (700, 300)):
+                # a filler word is ~4 tokens: the caches move through 128, 256, 512, 1024 and 2056 positions
+                for words, max_tokens in ((10, 32), (60, 64), (150, 64), (330, 64), (420, 240)):
                     for c in (1, 2, 4, 8):
                         t0 = time.perf_counter()
-                        results = bucket_load(base, c, max_tokens, words)
+                        results = bucket_load(base, model, c, max_tokens, words)
                         ok = sum(r["ok"] for r in results)
+                        errors = [r for r in results if not r["ok"]]
+                        if errors:
+                            print("   failed:", errors[0], flush=True)
                         levels.append({"words": words, "max_tokens": max_tokens, "concurrency": c, "ok": ok,
                                        "seconds": round(time.perf_counter() - t0, 1)})
                         print(f"  {words} words × {c}: {ok}/{c} ok in {levels[-1]['seconds']} s; "
@@ -141,6 +145,9 @@ def main() -> None:
                     "dspine_programs", "dspine_process_memory_maps", "dspine_process_resident_bytes",
                     "dspine_program_compiles_total", "dspine_program_evictions_total")}
                 report["final"] = scrape(base)
+                report["compiles_by_function"] = {
+                    line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in httpx.get(base + "/metrics").text.splitlines()
+                    if line.startswith("dspine_program_compiles_by_function_total{")}
                 print("peak:", report["peak"], flush=True)
         finally:
             stop_server(proc)
