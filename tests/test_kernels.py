@@ -341,8 +341,9 @@ def test_draft_identical_with_interpret_forced(drafters):
 
 
 def lwr_table_float64(drafter: D.Drafter, target, pre: np.ndarray, cand: np.ndarray, anchor: np.ndarray) -> np.ndarray:
-    """``T[b, i, k, j] = ⟨LWR(pre_i, √R·C[pred_{i,k}]), head[cand_{i,j}]⟩`` written from DESIGN.md §2.2 in
-    float64 numpy on the drafter's raw weights: nothing from drafter.py or transition_cache.py."""
+    """``T[b, i, k, j] = ⟨LWR(pre_i, √R·C[pred_{i,k}]), head[cand_{i,j}]⟩`` written from
+    docs/ARCHITECTURE.md §2.4 in float64 numpy on the drafter's raw weights: nothing from drafter.py or
+    transition_cache.py."""
     f64 = lambda x: np.asarray(x, np.float64)
     inj, config = drafter.params.injection, drafter.config
     last, r, h = config.num_layers - 1, config.transfer_rank, config.hidden_size

@@ -1,8 +1,8 @@
 """Independent torch re-statements of SpecForge's DSpine semantics, shared by the test modules.
 
-Written from DESIGN.md §2.2 and SpecForge's ``AdjacentInjection`` / ``refine`` / ``transition_scores`` /
-``OnlineDSpineModel._objective_terms`` semantics, on torch-layout (``[out, in]``) tensors named as in a
-checkpoint, so nothing here calls ``dspine_jax``. Import it after ``require("torch")``.
+Written from docs/ARCHITECTURE.md §2.2–2.4 and SpecForge's ``AdjacentInjection`` / ``refine`` /
+``transition_scores`` / ``OnlineDSpineModel._objective_terms`` semantics, on torch-layout (``[out, in]``)
+tensors named as in a checkpoint, so nothing here calls ``dspine_jax``. Import it after ``require("torch")``.
 """
 
 from __future__ import annotations

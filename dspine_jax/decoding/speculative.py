@@ -1,6 +1,6 @@
 """Speculative decoding: one round (draft → verify → accept → commit → stop) inside one jitted while_loop.
 
-Flow of a round (DESIGN.md §4), for every row of the batch at once, static shapes throughout:
+Flow of a round (docs/ARCHITECTURE.md §4), for every row of the batch at once, static shapes throughout:
 
 1. **Draft**: the proposer turns the anchor (last generated token, not yet in the target cache) into
    ``P = T - 1`` proposals (``DraftOutput``: tokens ``[B, P]``, plus the draft distribution over

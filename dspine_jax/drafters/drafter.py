@@ -34,9 +34,11 @@ cache, and drafts a whole block in one forward::
   after a round append the verify pass's features of the anchor and the accepted proposals
   (``num_new`` = accepted + 1; the bonus becomes the next anchor). There is no separate start
   position argument: it is ``cache.lengths``.
-* ``draft`` is pure and static-shaped: ``jax.jit(draft)(drafter, target, cache, anchor, key, t)`` is the
-  whole round-draft (backbone, injection, top-K, transition table, walk) as one compiled call.
-  ``temperature`` is a traced float32 scalar: ``<= 0`` means greedy, so one compilation serves both.
+* ``draft`` is pure and static-shaped: ``jax.jit(draft)(drafter, target, cache, anchor, keys, sampling)`` is
+  the whole round-draft (backbone, injection, top-K, transition table, walk) as one compiled call.
+  ``keys [B]`` are per-row PRNG keys and ``sampling`` a ``Sampling`` of per-row ``[B]`` arrays (temperature,
+  top-p, top-k), all traced: a row with temperature ``<= 0`` is greedy, so one compilation serves greedy
+  and sampled rows in the same batch.
 * DFlash: in-block attention as configured (bidirectional by default), no injection, each slot
   decoded independently from its own logits; C = vocab size (``cand_ids`` is ``arange(V)``), so ``q`` is
   ``sampling.sampling_probs(logits, temperature, top_p, top_k)``: the target's own sampling transform,

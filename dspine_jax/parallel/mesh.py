@@ -41,7 +41,7 @@ def weight(*axes: str | None, group: str | None = None, default: Any = dataclass
     shape comment, so ``sharding.place`` needs no list of field names.
 
     ``group`` names weights that split together or not at all (a layer's heads: q, k, v and o); the
-    layer's ``split_groups(config, model_shards)`` says which groups split on a given mesh. Weights
+    layer's ``for_mesh(config, model_shards)`` (see ``sharding.py``) says which groups split on a given mesh. Weights
     without a group split whenever their dimensions divide (``logical_spec``)."""
     metadata = {"axes": tuple(axes), "group": group}
     return struct.field(metadata=metadata, default=default)

@@ -6,9 +6,9 @@ P = 15 proposal slots, C = 16 candidates):
 * ``smollm2``: a DSpine drafter on SmolLM2-135M — width 576, 9 heads / 3 kv heads, head_dim 64; transfer
   rank / message = init_drafter's defaults for that target (R = min(1024, H, V-1) = 576, M = R/2 = 288).
   Context ring 2047 slots (window 2048).
-* ``27b``: the Qwen3.8-27B drafter as far as DESIGN.md pins it (block 16, sliding window 8192 → ring of
-  8191 slots, C = 16) with Qwen3.5/3.6-27B-style attention dims we assume (H 5120, 24 heads / 4 kv heads,
-  head_dim 256) and SpecForge's default R 1024 / M 512. ``27b-small`` scales it down for CPU runs: width
+* ``27b``: the Qwen3.8-27B drafter as far as docs/ARCHITECTURE.md §1 pins it (block 16, sliding window 8192 →
+  ring of 8191 slots, C = 16) with Qwen3.5/3.6-27B-style attention dims we assume (H 5120, 24 heads / 4 kv
+  heads, head_dim 256) and SpecForge's default R 1024 / M 512. ``27b-small`` scales it down for CPU runs: width
   and heads ÷4 (H 1280, 6 heads / 1 kv head, head_dim 256 kept: it is what stresses the kernel), ring 1023,
   R 256, M 128.
 

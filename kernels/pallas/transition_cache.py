@@ -1,7 +1,7 @@
 """Transition cache: fused last-write refinement (LWR) + candidate scoring.
 
 ``T[b, i, k, j] = ⟨LWR(pre_i, code_{i,k}), head_row_{i,j}⟩`` for every slot i, predecessor candidate k and
-candidate j (DESIGN.md §2.2; exactly ``dspine_jax.drafters.dspine.DSpine.transition_table``):
+candidate j (docs/ARCHITECTURE.md §2.3–2.4; exactly ``dspine_jax.drafters.dspine.DSpine.transition_table``):
 
     gate    = σ(receiver_logit_i + code_k @ predecessor_gate + bias)                 [C, M]
     written = pre_i + (‖pre_i‖/√H) · ((gate ⊙ (code_k @ message)) @ write_last)       [C, H]
