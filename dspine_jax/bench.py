@@ -340,10 +340,15 @@ def summarize(entries: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
                 "tau": sum(c["accepted_tokens"] for c in cells) / steps if steps else None,
                 "matches_hf": all(c["matches_hf"] for c in cells), "prompts": len(cells),
             }
-        for row in rows.values():
+        for name, row in rows.items():
             for ref in ("hf", "ours"):
                 if ref in rows:
                     row[f"speedup_vs_{ref}"] = row["tokens_per_second"] / rows[ref]["tokens_per_second"]
+            if "ours" in rows:  # pairs measured back to back (same prompt, same repeat round): machine drift cancels
+                row["paired_speedup_vs_ours"] = statistics.median(
+                    mine / ours for e in chosen
+                    for mine, ours in zip(e["systems"][name]["tokens_per_second"], e["systems"]["ours"]["tokens_per_second"])
+                )  # fmt: skip
         summary[domain] = rows
     return summary
 
@@ -447,6 +452,9 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += ["", "τ per domain", ""] + _table(summary, spec, lambda c: _fmt(c["tau"], ".2f"))
         lines += ["", "speedup per domain (× HF AR / × ours AR)", ""] + _table(
             summary, systems, lambda c: f"{_fmt(c.get('speedup_vs_hf'), '.2f', '×')} / {c['speedup_vs_ours']:.2f}×")
+        lines += ["", "× ours AR, paired: median over prompts × repeats of the ratio to ours AR run on the same prompt "
+                  "in the same repeat round (machine drift between rounds cancels)", ""] + _table(
+            summary, systems, lambda c: f"{c['paired_speedup_vs_ours']:.2f}×")
         lines.append("")
     lines += ["τ: ours = output tokens per verify step after the prefill token (`mean_acceptance`); HF prompt "
               "lookup = new tokens / target forwards (its prefill forward also verifies lookup candidates). "

@@ -45,6 +45,8 @@ def test_report_structure(report):
             assert row["tokens_per_second"] > 0
             assert row["speedup_vs_hf"] == pytest.approx(row["tokens_per_second"] / rows["hf"]["tokens_per_second"])
             assert row["speedup_vs_ours"] == pytest.approx(row["tokens_per_second"] / rows["ours"]["tokens_per_second"])
+            if domain != "all":  # one prompt, one repeat: the pair is the two runs
+                assert row["paired_speedup_vs_ours"] == pytest.approx(row["speedup_vs_ours"])
             if name in ("hf", "ours"):
                 assert row["tau"] is None
             else:
@@ -63,6 +65,22 @@ def test_report_structure(report):
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 10_000
     md = md_path.read_text()
     assert "| ours+dspine |" in md and "| system | code | math | all |" in md and "Machine:" in md
+
+
+def test_paired_speedup_is_the_median_of_same_round_ratios():
+    """A machine that slows between repeat rounds moves both systems: the paired statistic sees the ratio in each
+    round, the pooled medians mix rounds and prompts."""
+
+    def entry(domain, ours, mine):
+        cell = {"accepted_tokens": 0, "verify_steps": None, "matches_hf": True}
+        return {"domain": domain, "systems": {"ours": {**cell, "tokens_per_second": ours},
+                                              "x": {**cell, "tokens_per_second": mine}}}
+
+    entries = [entry("code", [20.0, 10.0], [19.0, 9.5]), entry("code", [12.0, 12.0], [14.4, 14.4])]
+    row = bench.summarize(entries)["code"]["x"]
+    assert row["paired_speedup_vs_ours"] == pytest.approx(float(np.median([0.95, 0.95, 1.2, 1.2])))
+    assert row["speedup_vs_ours"] == pytest.approx(float(np.median([19, 9.5, 14.4, 14.4]) / np.median([20, 10, 12, 12])))
+    assert bench.summarize(entries)["all"]["ours"]["paired_speedup_vs_ours"] == 1.0
 
 
 def test_select_prompts_encodes_messages_and_takes_first_k():

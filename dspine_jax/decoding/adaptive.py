@@ -158,6 +158,8 @@ def choose(
     probe_index = max(i for i, t in enumerate(policy.lengths) if t <= max(PROBE_LENGTH, policy.lengths[0]))
     due = (lengths[best] == 1) & jnp.any(running & (state.idle >= state.wait))
     # Drafting on the prior alone (nothing observed yet) is a probe too: one round, then decide on data.
+    # (Starting such a request with a peek instead lost 6 points on code in policy_sim.py: a good drafter
+    # reaches its long blocks a decision later.)
     unseen = (lengths[best] > 1) & jnp.all(jnp.where(running, state.tries[:, 0] == 0, True))
     best = jnp.where(due, probe_index, best)
     pinned = policy.schedule[round_index % SCHEDULE_WIDTH]

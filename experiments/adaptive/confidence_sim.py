@@ -97,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     n = args.max_new_tokens
     begin = time.perf_counter()
-    prompts, target, proposer, lengths, costs = load_study(args)
+    prompts, target, proposer, lengths, costs, _peek = load_study(args)
     draft = args.draft_ms / 1e3 if args.draft_ms else time_draft(target, proposer, prompts[0].ids, args.repeats)
     split = args.split_ms / 1e3
     print(f"draft {draft * 1e3:.1f} ms", file=sys.stderr)

@@ -29,8 +29,9 @@ from dspine_jax.train.data import encode_messages
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def plain_rounds(target, proposer, prompt: list[int], n: int) -> float:
-    """Decode seconds of ``n`` T = 1 rounds of the speculative loop (one segment, prefill excluded)."""
+def plain_rounds(target, proposer, prompt: list[int], n: int, peek: bool = False) -> float:
+    """Decode seconds of ``n`` T = 1 rounds of the speculative loop (one segment, prefill excluded); ``peek``:
+    every round a peek (a plain round plus a one-token draft)."""
     rows, capacity, tokens, lengths, stops = spec.plan_request(target, [prompt], n, 0.0, 1.0, 0, [])
     t_max = max(adaptive.candidate_lengths(spec.proposer_block(proposer)))
     key = jax.random.key(0)
@@ -42,7 +43,8 @@ def plain_rounds(target, proposer, prompt: list[int], n: int) -> float:
     policy = adaptive.fixed_policy(1)
     carry = jax.block_until_ready(carry)
     begin = time.perf_counter()
-    out = spec.loop_segment(target, proposer, carry, stop, jnp.int32(n), policy, verify_len=1, greedy=True)
+    out = spec.loop_segment(target, proposer, carry, stop, jnp.int32(n), policy, verify_len=1, greedy=True,
+                           peek=peek)
     jax.block_until_ready(out)
     return time.perf_counter() - begin
 

@@ -111,9 +111,11 @@ def committed(trace: list[int], pos: int, t: int, n: int) -> int:
 
 
 def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
-             every: int = speculative.DECIDE_EVERY) -> dict:
+             every: int = speculative.DECIDE_EVERY, peek: float | None = None, host: float = 0.0) -> dict:
     """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, deciding
-    every ``every`` rounds (or at a ``fixed`` length): model seconds, rounds and the lengths run."""
+    every ``every`` rounds (or at a ``fixed`` length): model seconds, rounds and the lengths run. ``peek``:
+    seconds of a peek (greedy probes at ``PROBE_LENGTH`` run as one, as ``speculative_generate`` does; None:
+    as a real round); ``host``: seconds of host work per segment (a choice between two device loops)."""
     lengths = tuple(sorted(costs))
     policy = adaptive.make_policy(lengths, costs)
     stats = adaptive.init_state(1, max(lengths))
@@ -122,10 +124,17 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
     until_probe = adaptive.FIRST_WAIT
     while pos < n:
         t = fixed or lengths[int(choice)]
+        peeking = peek is not None and not fixed and adaptive.peeks(t, bool(probe), greedy=True)
         segment = 1 if fixed or bool(probe) else until_probe if t == 1 else every
+        seconds += 0.0 if fixed else host
         for _ in range(segment):
             if pos >= n:
                 break
+            if peeking:  # a plain round; the statistics see the one-token draft against the emitted token
+                stats = adaptive.update(stats, jnp.int32(t), jnp.asarray([min(trace[pos - 1], 1)]), running)
+                pos, seconds, rounds = pos + 1, seconds + peek, rounds + 1
+                ran.append(1)
+                continue
             step = committed(trace, pos, t, n)
             stats = adaptive.update(stats, jnp.int32(t), jnp.asarray([step - 1]), running)
             pos, seconds, rounds = pos + step, seconds + costs[t], rounds + 1
@@ -144,26 +153,34 @@ def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
     return float(best[1])
 
 
-VARIANTS = {  # name → (adaptive constants, rounds between decisions)
+VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, rounds between decisions)
     "auto": ({}, speculative.DECIDE_EVERY),
+    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, speculative.DECIDE_EVERY),
+    "auto, first wait 8": ({"FIRST_WAIT": 8}, speculative.DECIDE_EVERY),
     "auto, decay 0.9": ({"DECAY": 0.9}, speculative.DECIDE_EVERY),
     "auto, decide every 8": ({}, 8),
     "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, speculative.DECIDE_EVERY),
 }
 
 
-def fixed_costs(target, drafter, prompt: list[int], lengths: tuple[int, ...], n: int, repeats: int) -> dict[int, float]:
-    """Seconds per round of fixed-length loops (T = 1: ``generate``), medians of ``repeats`` interleaved."""
-    samples: dict[int, list[float]] = {t: [] for t in lengths}
+def fixed_costs(target, proposer, prompt: list[int], lengths: tuple[int, ...], n: int,
+                repeats: int) -> tuple[dict[int, float], float]:
+    """Seconds per round of fixed-length loops (T = 1: ``generate``) and of a peek (a loop of peeks), medians of
+    ``repeats`` interleaved."""
+    from overhead import plain_rounds  # this folder is on sys.path when run
+
+    samples: dict = {t: [] for t in [*lengths, "peek"]}
     for _ in range(repeats + 1):  # the first pass compiles
         for t in lengths:
             if t == 1:
                 r = generate(target, [prompt], n, stop_ids=[])
                 samples[t].append(r.decode_seconds / (n - 1))
             else:
-                r = speculative_generate(target, drafter, [prompt], n, stop_ids=[], verify=t)
+                r = speculative_generate(target, proposer, [prompt], n, stop_ids=[], verify=t)
                 samples[t].append(r.decode_seconds / r.num_iterations)
-    return {t: statistics.median(v[1:]) for t, v in samples.items()}
+        samples["peek"].append(plain_rounds(target, proposer, prompt, n, peek=True) / n)
+    peek = statistics.median(samples.pop("peek")[1:])
+    return {t: statistics.median(v[1:]) for t, v in samples.items()}, peek
 
 
 def study_parser(description: str, out: str, skip: int = 0) -> argparse.ArgumentParser:
@@ -177,25 +194,37 @@ def study_parser(description: str, out: str, skip: int = 0) -> argparse.Argument
                     help="skip each domain's first N held-out prompts (the bench's: tune on others)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--costs", help="ms per round instead of measuring them, e.g. 1:25.3,2:35.5,4:39.1,8:48.0")
+    ap.add_argument("--costs", help="ms per round instead of measuring them, e.g. 1:25.3,2:35.5,4:39.1,8:48.0,peek:31")
+    ap.add_argument("--host-ms", type=float, default=3.0, help="host work per segment (ms)")
+    ap.add_argument("--traces", type=Path, help="replay the prompts and traces of an earlier run's JSON (no model run)")
     ap.add_argument("--out", type=Path, default=Path(out))
     return ap
 
 
+def parse_costs(text: str) -> tuple[dict[int, float], float]:
+    """``1:25.3,2:35.5,peek:31`` (ms) → ({length: seconds per round}, seconds of a peek; a plain step's if not given)."""
+    costs = {k: float(ms) / 1e3 for k, ms in (x.split(":") for x in text.split(","))}
+    peek = costs.pop("peek", None)
+    costs = {int(t): s for t, s in costs.items()}
+    return costs, costs[1] if peek is None else peek
+
+
 def load_study(args: argparse.Namespace):
-    """(prompts, target, proposer, candidate lengths, seconds per round at each length) of a study."""
+    """(prompts, target, proposer, candidate lengths, seconds per round at each length, seconds of a peek) of a
+    study."""
     model_dir = resolve_model_dir(args.model)
     held = {d: list(v)[args.skip :] for d, v in bench.load_heldout_prompts(args.model, Path(args.data)).items()}
     prompts = bench.select_prompts(held, args.prompts_per_domain, bench.encoder(model_dir, held))
     target = load_target(model_dir)
-    drafter = load_drafter(args.drafter, target)
-    lengths = adaptive.candidate_lengths(drafter.config.block_size)
+    proposer = DrafterProposer(load_drafter(args.drafter, target))
+    lengths = adaptive.candidate_lengths(proposer.drafter.config.block_size)
     if args.costs:
-        costs = {int(t): float(ms) / 1e3 for t, ms in (x.split(":") for x in args.costs.split(","))}
+        costs, peek = parse_costs(args.costs)
     else:
-        costs = fixed_costs(target, drafter, prompts[0].ids, lengths, args.max_new_tokens, args.repeats)
-    print("seconds per round:", {t: round(s * 1e3, 1) for t, s in costs.items()}, file=sys.stderr)
-    return prompts, target, DrafterProposer(drafter), lengths, costs
+        costs, peek = fixed_costs(target, proposer, prompts[0].ids, lengths, args.max_new_tokens, args.repeats)
+    print("ms per round:", {t: round(s * 1e3, 1) for t, s in costs.items()}, "peek", round(peek * 1e3, 1),
+          file=sys.stderr)
+    return prompts, target, proposer, lengths, costs, peek
 
 
 def print_table(rows: dict[str, dict[str, list[float]]], prompts) -> dict[str, dict[str, float]]:
@@ -215,11 +244,21 @@ def main() -> None:
     args = study_parser(__doc__.splitlines()[0], "experiments/adaptive/policy_sim.json").parse_args()
     n = args.max_new_tokens
     begin = time.perf_counter()
-    prompts, target, proposer, lengths, costs = load_study(args)
-    traces = []
-    for i, p in enumerate(prompts):
-        traces.append(acceptance_trace(target, proposer, p.ids, n))
-        print(f"[{i + 1}/{len(prompts)}] {p.domain}: mean accept {np.mean(traces[-1]):.2f}", file=sys.stderr)
+    if args.traces:  # replay an earlier run: its prompts, traces and costs
+        earlier = json.loads(args.traces.read_text())
+        n, costs = earlier["max_new_tokens"], {int(t): s for t, s in earlier["costs"].items()}
+        peek = earlier.get("peek_seconds", costs[1])
+        prompts = [argparse.Namespace(domain=p["domain"], source=p["source"]) for p in earlier["prompts"]]
+        traces = [p["trace"] for p in earlier["prompts"]]
+        if args.costs:  # the same traces under other costs
+            costs, peek = parse_costs(args.costs)
+    else:
+        prompts, target, proposer, lengths, costs, peek = load_study(args)
+        traces = []
+        for i, p in enumerate(prompts):
+            traces.append(acceptance_trace(target, proposer, p.ids, n))
+            print(f"[{i + 1}/{len(prompts)}] {p.domain}: mean accept {np.mean(traces[-1]):.2f}", file=sys.stderr)
+    lengths, host = tuple(sorted(costs)), args.host_ms / 1e3
     rows: dict[str, dict[str, list[float]]] = {}
     ar = (n - 1) * costs[1]
 
@@ -232,13 +271,14 @@ def main() -> None:
     for name, (constants, every) in VARIANTS.items():
         with policy_constants(**constants):
             for p, trace in zip(prompts, traces):
-                record(name, p.domain, simulate(trace, n, costs, every=every)["seconds"])
+                record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek, host=host)["seconds"])
     for p, trace in zip(prompts, traces):
         record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
     summary = print_table(rows, prompts)
     args.out.write_text(json.dumps({
         "model": args.model, "drafter": args.drafter, "max_new_tokens": n, "skip": args.skip, "costs": costs,
-        "costs_given": bool(args.costs),
+        "peek_seconds": peek, "host_seconds_per_segment": host, "costs_given": bool(args.costs),
+        "traces_from": str(args.traces) if args.traces else None,
         "prompts": [{"domain": p.domain, "source": p.source, "trace": t} for p, t in zip(prompts, traces)],
         "speedup_vs_ar": summary, "seconds": time.perf_counter() - begin, "machine": bench.machine_info(),
     }, indent=1))  # fmt: skip
