@@ -41,8 +41,12 @@ def test_report_structure(report):
     assert list(res["summary"]) == ["code", "math", "all"]
     for domain, rows in res["summary"].items():
         assert list(rows) == list(bench.SYSTEMS)
+        cells = [p for p in res["prompts"] if domain in ("all", p["domain"])]
         for name, row in rows.items():
             assert row["tokens_per_second"] > 0
+            # the pooled median of every repeat of every prompt of the domain, recomputed from the raw cells
+            raw = [r for p in cells for r in p["systems"][name]["tokens_per_second"]]
+            assert row["tokens_per_second"] == pytest.approx(float(np.median(raw)))
             assert row["speedup_vs_hf"] == pytest.approx(row["tokens_per_second"] / rows["hf"]["tokens_per_second"])
             assert row["speedup_vs_ours"] == pytest.approx(row["tokens_per_second"] / rows["ours"]["tokens_per_second"])
             if domain != "all":  # one prompt, one repeat: the pair is the two runs

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import missing_reference
 from drafter_helpers import with_random_injection
 from jax.experimental import pallas as pl
 
@@ -277,7 +278,7 @@ def test_kernels_lower_for_tpu_and_gpu():
     the shapes the drafters use (a large class of unsupported-op / block-shape errors is caught here; the
     final Mosaic / PTX compilation needs the hardware: experiments/kernels/gpu_check.py)."""
     if not dispatch.triton_available():
-        pytest.skip("this JAX has no Pallas Triton backend")
+        missing_reference("Pallas's Triton backend in this JAX")
     z = lambda *shape: jnp.zeros(shape, jnp.bfloat16)  # noqa: E731
     weights = TC.LWRWeights(z(48, 32), z(48, 32), z(32), z(32, 576), z(576))
     targets = [(dispatch.Backend("mosaic_tpu", "tpu"), "tpu"), (dispatch.Backend("triton", "gpu"), "cuda")]

@@ -206,17 +206,20 @@ def test_chat_and_streaming_match(server):
 
 def test_stop_strings(server):
     client = server["client"]
-    base = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0).choices[0].text
-    words = base.split()
-    if len(words) < 3:
-        pytest.skip("reference output too short to pick a stop string")
+    # the first prompt whose greedy output has three words to pick a stop string from (a fixed model: fixed outputs)
+    for prompt in PROMPTS[1:]:
+        base = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+        words = base.split()
+        if len(words) >= 3:
+            break
+    assert len(words) >= 3, "no prompt gives three words"
     stop = words[2]
     cut = base[: base.find(stop)]
-    out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop, "zz"])
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "zz"])
     assert out.choices[0].text == cut
     assert out.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=stop, stream=True) if c.choices)
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True) if c.choices)
     assert streamed == cut
 
 

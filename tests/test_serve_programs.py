@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import missing_reference
 
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax import init_drafter
@@ -59,7 +60,7 @@ def test_programs_evict_the_least_recently_used_and_give_their_memory_maps_back(
     assert bounded.stats.compiles == 4 and not bounded.ready(_chain, _args(), {"depth": 3})
 
     if prog.memory_maps() is None:
-        pytest.skip("no /proc/self/maps on this system")
+        missing_reference("/proc/self/maps (Linux)")
     deep = [30 + d for d in range(8)]  # distinct programs of ~30 kernels each
     before = prog.memory_maps()
     one = Programs(max_programs=1)

@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_tiny_hf_model
+from conftest import make_tiny_hf_model, missing_reference
 
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.speculative import OracleProposer, prefill, speculative_generate, speculative_loop
@@ -135,7 +135,7 @@ def test_no_recompile_on_same_shapes(targets, references):
     proposer = oracle(references["llama"], every_length_schedule(), target.config.vocab_size)
     speculative_generate(target, proposer, PROMPTS, MAX_NEW, stop_ids=[], block_size=VERIFY)
     if not hasattr(speculative_loop, "_cache_size"):
-        pytest.skip("this JAX version does not expose the jit cache size")
+        missing_reference("the jit cache size (jitted functions' _cache_size) in this JAX")
     sizes = (prefill._cache_size(), speculative_loop._cache_size())
     other = [p[::-1] for p in PROMPTS]  # same lengths, other tokens
     speculative_generate(target, proposer, other, MAX_NEW - 7, stop_ids=[5, 6, 7], seed=11, block_size=VERIFY)

@@ -358,16 +358,18 @@ def test_resume_reproduces_next_step_exactly(tiny_target, tiny_dataset, tmp_path
 def test_split_is_deterministic_deduplicated_and_disjoint():
     prompts = [{"messages": [{"role": "user", "content": f"q{i % 30}"}]} for i in range(60)]  # 30 unique
     held, tr = _split(prompts, 5, 100, seed=3)
+    assert _split(prompts, 5, 100, seed=3) == (held, tr)  # deterministic
     held2, tr2 = _split(list(reversed(prompts)), 5, 100, seed=3)
     assert len(held) == 5 and len(tr) == 25
     keys = lambda rs: {json.dumps(r["messages"]) for r in rs}  # noqa: E731
-    assert not keys(held) & keys(tr)
+    assert not keys(held) & keys(tr) and len(keys(held) | keys(tr)) == 30  # the 30 unique prompts, each once
+    # Another order of the same prompts: the same 30 unique ones, split 5/25 and disjoint again.
+    assert len(held2) == 5 and not keys(held2) & keys(tr2) and keys(held2) | keys(tr2) == keys(held) | keys(tr)
     for r in held + tr:
         r["key"] = json.dumps(r["messages"])
     check_disjoint({"train": {"x": tr}, "heldout": {"x": held}})
     with pytest.raises(AssertionError):
         check_disjoint({"train": {"x": tr + held[:1]}, "heldout": {"x": held}})
-    assert keys(held) == keys(held2) or len(held2) == 5  # dedupe keeps first occurrence; split stays 5/25
 
 
 def test_pack_rows_masks_response_only():
