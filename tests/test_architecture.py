@@ -325,6 +325,23 @@ def test_toy_replay_is_exercised(toy_extensions):
     assert kept.lengths.tolist() == [1, 3]
 
 
+def test_a_name_registered_twice_raises(toy_extensions):
+    """A second family for a model type, or a second kind class under a kind's name, is refused (the first one
+    stays); registering the same one again is harmless."""
+    import dataclasses
+
+    with pytest.raises(ValueError, match="toy_sum.*already registered"):
+        register_family(dataclasses.replace(TOY_FAMILY))
+    assert family_for("toy_sum") is TOY_FAMILY and register_family(TOY_FAMILY) is TOY_FAMILY
+
+    class Impostor(EchoAnchor):
+        pass
+
+    with pytest.raises(ValueError, match="already registered by EchoAnchor"):
+        register_drafter_kind(Impostor)
+    assert type(drafter_kind(EchoAnchor.name)) is EchoAnchor and register_drafter_kind(EchoAnchor) is EchoAnchor
+
+
 def test_unregistered_model_type_is_refused(toy_extensions):
     unregister_family(TOY_FAMILY)
     with pytest.raises(UnsupportedModelError, match="'toy_sum' is not supported"):

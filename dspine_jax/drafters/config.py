@@ -35,7 +35,13 @@ _KINDS: dict[str, Any] = {}
 
 
 def register_drafter_kind(kind_class: type) -> type:
-    """Class decorator: make ``kind_class`` (a ``drafter.DFlash`` subclass) the kind named ``kind_class.name``."""
+    """Class decorator: make ``kind_class`` (a ``drafter.DFlash`` subclass) the kind named ``kind_class.name``. A
+    name already taken by another class raises (``unregister_drafter_kind`` first to replace a kind on purpose):
+    two kinds under one name would load each other's checkpoints."""
+    known = _KINDS.get(kind_class.name)
+    if known is not None and type(known) is not kind_class:
+        raise ValueError(f"drafter kind {kind_class.name!r} is already registered by {type(known).__qualname__}; "
+                         "unregister_drafter_kind it first to replace it")
     _KINDS[kind_class.name] = kind_class()
     return kind_class
 

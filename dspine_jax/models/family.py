@@ -69,8 +69,12 @@ _FAMILIES: dict[str, TargetFamily] = {}
 
 
 def register_family(family: TargetFamily) -> TargetFamily:
-    """Make ``family`` the one that loads and runs its ``model_types`` (a later registration replaces an
-    earlier one for the same type, so a caller can swap in its own implementation)."""
+    """Make ``family`` the one that loads and runs its ``model_types``. A type another family already runs
+    raises (``unregister_family`` it first to swap in an implementation of one's own)."""
+    taken = [t for t in family.model_types if _FAMILIES.get(t, family) is not family]
+    if taken:
+        raise ValueError(f"model type(s) {', '.join(taken)} already registered by another family; "
+                         "unregister_family it first to replace it")
     for model_type in family.model_types:
         _FAMILIES[model_type] = family
     return family

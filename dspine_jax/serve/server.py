@@ -196,6 +196,26 @@ class Server:
             return JSONResponse({}, status_code=499)
         return "".join(parts), finish
 
+    def _sse(self, req: GenRequest, request: Request, options: RequestOptions, head: dict,
+             on_text: Callable[[str], list[str]], on_done: Callable[[str], list[str]],
+             opening: list[str] = ()) -> StreamingResponse:
+        """A streamed request's SSE body (both endpoints): ``opening``, the events ``on_text`` makes of each text
+        delta, then ``on_done``'s and the stream's end when it finishes, or an error event if it fails."""
+        async def events():
+            for line in opening:
+                yield line
+            async for ev in self._events(req, request):
+                if ev[0] == "text":
+                    lines = on_text(ev[1])
+                elif ev[0] == "done":
+                    lines = on_done(ev[1]) + self._stream_end(req, options, head)
+                else:
+                    lines = [sse_error(ev[1])]
+                for line in lines:
+                    yield line
+
+        return StreamingResponse(self._guard(req, events()), media_type="text/event-stream")
+
     def _stream_end(self, req: GenRequest, sampling: RequestOptions, head: dict) -> list[str]:
         """The events after a stream's last choice: the usage chunk (if asked for) and ``[DONE]``."""
         usage = [sse({**head, "choices": [], "usage": self._usage(req)})] if sampling.include_usage else []
@@ -224,17 +244,10 @@ class Server:
         if s.stream:
             head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
-            async def gen():
-                async for ev in self._events(req, request):
-                    if ev[0] == "text":
-                        yield sse({**head, "choices": [{"index": 0, "text": ev[1], "logprobs": None, "finish_reason": None}]})
-                    elif ev[0] == "done":
-                        yield sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": ev[1]}]})
-                        for line in self._stream_end(req, s, head):
-                            yield line
-                    else:
-                        yield sse_error(ev[1])
-            return StreamingResponse(self._guard(req, gen()), media_type="text/event-stream")
+            def choice(text: str, finish: str | None) -> list[str]:
+                return [sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})]
+
+            return self._sse(req, request, s, head, lambda text: choice(text, None), lambda reason: choice("", reason))
 
         collected = await self._collect(req, request)
         if not isinstance(collected, tuple):
@@ -316,22 +329,11 @@ class Server:
                     out += pieces("", c, calls)
                 return out
 
-            async def gen():
-                yield chunk({"role": "assistant", "content": ""})
-                async for ev in self._events(req, request):
-                    if ev[0] == "text":
-                        for piece in process(ev[1]):
-                            yield piece
-                    elif ev[0] == "done":
-                        for piece in process(None):
-                            yield piece
-                        finish = "tool_calls" if state["tool_index"] and ev[1] == "stop" else ev[1]
-                        yield chunk({}, finish)
-                        for line in self._stream_end(req, s, head):
-                            yield line
-                    else:
-                        yield sse_error(ev[1])
-            return StreamingResponse(self._guard(req, gen()), media_type="text/event-stream")
+            def done(reason: str) -> list[str]:
+                out = process(None)
+                return out + [chunk({}, "tool_calls" if state["tool_index"] and reason == "stop" else reason)]
+
+            return self._sse(req, request, s, head, process, done, opening=[chunk({"role": "assistant", "content": ""})])
 
         collected = await self._collect(req, request)
         if not isinstance(collected, tuple):
