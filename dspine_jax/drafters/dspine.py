@@ -370,7 +370,11 @@ def transfer_codes_from_head(lm_head: Array, rank: int, chunk: int = 4096) -> tu
     cov = 0.5 * (cov + cov.T)  # exact symmetry for eigh
     values, directions = jnp.linalg.eigh(cov)
     values, directions = values[-rank:], directions[:, -rank:]  # ascending, like torch
-    if not bool(jnp.all(jnp.isfinite(values)) & jnp.all(values > 0)):
+    try:
+        degenerate = not bool(jnp.all(jnp.isfinite(values)) & jnp.all(values > 0))
+    except jax.errors.ConcretizationTypeError:  # abstract weights (jax.eval_shape, dspine_jax.lower): no values
+        degenerate = False
+    if degenerate:
         raise ValueError("the target head has fewer positive principal directions than the transfer rank")
     pivot = jnp.argmax(jnp.abs(directions), axis=0)
     directions = directions * jnp.sign(directions[pivot, jnp.arange(rank)])[None, :]

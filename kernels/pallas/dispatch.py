@@ -18,6 +18,10 @@ Mode (``DSPINE_KERNELS`` environment variable, or ``set_mode`` / ``force``; the 
 ``DSPINE_KERNELS_FLAVOR=tpu|gpu`` picks which of the two kernel variants ``interpret`` runs (default: the
 TPU variant on TPU, the GPU variant elsewhere).
 
+``lowering_for(platform)`` (a context manager) makes the choice for the platform a program is being lowered
+for rather than the machine's (``jax.export`` for TPU/GPU on a CPU, ``python -m dspine_jax.lower``): Mosaic
+on ``tpu``, Triton on ``cuda``/``rocm``, in ``pallas`` mode so that a missing lowering is an error.
+
 The choice is made when a kernel is *traced* (it is Python-level), so a function jitted before a mode change
 keeps its old choice: ``set_mode``/``force`` call ``jax.clear_caches()`` so that the next call retraces.
 Each (kernel, backend) choice is logged once at INFO on the ``dspine_jax.pallas.dispatch`` logger.
@@ -67,6 +71,8 @@ class Backend:
 REFERENCE = Backend("reference")
 
 _override: str | None = None
+# The platform a program is being lowered for (``lowering_for``); None: the default backend's platform.
+_lowering_platform: str | None = None
 _logged: set[tuple[str, Backend]] = set()
 
 
@@ -106,7 +112,35 @@ def force(mode: str) -> Iterator[None]:
 
 
 def _platform() -> str:
-    return jax.default_backend()
+    return _lowering_platform if _lowering_platform is not None else jax.default_backend()
+
+
+LOWERING_PLATFORMS = ("tpu", "cuda", "rocm", "gpu", "cpu")
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str, mode: str = "pallas") -> Iterator[None]:
+    """``with lowering_for("tpu"): jax.export.export(jax.jit(f), platforms=["tpu"])(...)`` — the kernels
+    traced inside the block take the backend of ``platform`` (Mosaic TPU on ``tpu``, Triton on
+    ``cuda``/``rocm``), not the machine's: ``jax.export`` lowers for platforms this machine does not have,
+    and a program exported with the CPU's choice (the XLA reference) would prove nothing about the
+    kernels a TPU or GPU run compiles. ``mode`` defaults to ``pallas`` so that a platform without a
+    lowering is an error rather than a silent fallback. Clears JAX's caches on entry and exit (the choice
+    is made at trace time). The GPU capability check is skipped: the card is not here to ask."""
+    global _lowering_platform
+    platform = platform.strip().lower()
+    if platform not in LOWERING_PLATFORMS:
+        raise ValueError(f"lowering platform {platform!r} is not one of {LOWERING_PLATFORMS}")
+    previous_platform, previous_mode = _lowering_platform, _override
+    _lowering_platform = platform
+    set_mode(mode)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _lowering_platform = previous_platform
+        set_mode(previous_mode)
+        jax.clear_caches()
 
 
 def triton_available() -> bool:
@@ -120,6 +154,8 @@ def triton_available() -> bool:
 
 
 def _gpu_capability() -> tuple[int, int] | None:
+    if _lowering_platform is not None:  # lowering for a GPU this machine does not have
+        return None
     try:
         cap = getattr(jax.devices()[0], "compute_capability", None)
         if cap is None:
