@@ -146,6 +146,19 @@ def _expected(engine, prompt: list[int], n: int) -> str:
     return engine.tokenizer.decode(generate(engine.core.target, [prompt], n).token_ids[0], skip_special_tokens=True)
 
 
+def _together(engine, base: str, prompts: list[list[int]], n: int) -> None:
+    """Greedy completions of ``prompts`` sent at once: each 200 and equal to ``generate``'s text."""
+
+    async def send():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*[client.post(base + "/v1/completions", json={
+                "prompt": p, "max_tokens": n, "temperature": 0}) for p in prompts])
+
+    for r, p in zip(asyncio.run(send()), prompts):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _expected(engine, p, n)
+
+
 def test_requests_during_a_lazy_warmup_are_served_exactly(tmp_path):
     """``lazy``: /health is ok while the background still compiles (its progress in /health and /metrics);
     requests sent then, two at once, are answered exactly (drafted lengths not compiled yet run as plain
@@ -157,15 +170,7 @@ def test_requests_during_a_lazy_warmup_are_served_exactly(tmp_path):
         metrics = httpx.get(base + "/metrics").text
         assert "dspine_warmup_pending" in metrics and "dspine_process_memory_maps" in metrics
         prompts = [[1, 5, 9, 13], [1, 7, 7, 30, 31, 2, 8]]
-
-        async def both():
-            async with httpx.AsyncClient(timeout=300) as client:
-                return await asyncio.gather(*[client.post(base + "/v1/completions", json={
-                    "prompt": p, "max_tokens": 24, "temperature": 0}) for p in prompts])
-
-        for r, p in zip(asyncio.run(both()), prompts):
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == _expected(engine, p, 24)
+        _together(engine, base, prompts, 24)
         deadline = time.time() + 600
         while httpx.get(base + "/health").json()["warmup"]["pending"]:
             assert time.time() < deadline, "the background warmup never finished"
@@ -183,16 +188,7 @@ def test_without_warmup_two_requests_compile_each_program_once(tmp_path):
     try:
         core = engine.core
         assert len(core.programs) == 0
-        prompts = [[1, 5, 9, 13], [1, 6, 10, 14]]
-
-        async def both():
-            async with httpx.AsyncClient(timeout=300) as client:
-                return await asyncio.gather(*[client.post(base + "/v1/completions", json={
-                    "prompt": p, "max_tokens": 12, "temperature": 0}) for p in prompts])
-
-        for r, p in zip(asyncio.run(both()), prompts):
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == _expected(engine, p, 12)
+        _together(engine, base, [[1, 5, 9, 13], [1, 6, 10, 14]], 12)
         stats = core.programs.stats
         assert stats.compiles == len(core.programs) > 0 and stats.evictions == 0
     finally:
