@@ -958,6 +958,7 @@ class EngineCore:
         """Stop the background warmup (the server's shutdown)."""
         if self._warmer is not None:
             self._warmer.stop(join=True)
+            atexit.unregister(self._warmer.stop)  # (it held the engine, and so its weights, until exit)
 
 
 WARMUP_MODES = ("full", "lazy", "none")
