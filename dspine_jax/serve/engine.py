@@ -753,13 +753,16 @@ class EngineCore:
                 jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, jnp.int32(rounds),
                 policy, jax.tree.map(lambda a: a[:r], self.stats))
         static = dict(verify_len=t, max_rounds=self.max_rounds, peek=peek)
-        if (t, peek) != (1, False) and self._forced_length is None and not self.programs.ready(step, args, static):
-            if self._warmer is not None:  # compiled in the background, first in line; plain rounds meanwhile
-                self._warmer.want(self._planned_step(r, self.cache_capacity, t, peek))
-                t, peek, chosen, calibrating = 1, False, False, False
-                static = dict(static, verify_len=1, peek=False)
+        program = self.programs.compiled(step, args, static)  # (one key per step: the caches are flattened once)
+        if program is None and (t, peek) != (1, False) and self._forced_length is None and self._warmer is not None:
+            # compiled in the background, first in line; plain rounds meanwhile
+            self._warmer.want(self._planned_step(r, self.cache_capacity, t, peek))
+            t, peek, chosen, calibrating = 1, False, False, False
+            static = dict(static, verify_len=1, peek=False)
+            program = self.programs.compiled(step, args, static)
         with use_mesh(self.mesh):
-            program = self.programs.get(step, args, static)  # (compiled before the clock starts)
+            if program is None:  # compiled now, before the clock starts
+                program = self.programs.get(step, args, static)
             start = time.perf_counter()
             self.cache, self.pstate, *outputs = program(*args)
         return PendingStep(outputs, active, n, r, t, peek, policy, chosen, calibrating, start)

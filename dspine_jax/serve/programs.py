@@ -145,6 +145,17 @@ class Programs:
         with self._lock:
             return sum(1 for e in self._entries.values() if e.compiled is not None)
 
+    def compiled(self, fn: Callable, args: Sequence[Any], static: dict[str, Hashable] | None = None) -> Any:
+        """The executable if it is compiled and held (calling it costs no compilation), else None; never waits."""
+        key = self.key(fn, args, static or {})
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.compiled is None:
+                return None
+            self._entries.move_to_end(key)
+            self.stats.hits += 1
+            return entry.compiled
+
     def ready(self, fn: Callable, args: Sequence[Any], static: dict[str, Hashable] | None = None) -> bool:
         """Compiled and held (calling it now costs no compilation)."""
         with self._lock:
