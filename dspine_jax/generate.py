@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dspine_jax.decoding import speculative
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.planning import enable_compilation_cache, max_new_tokens_cap
-from dspine_jax.decoding.sampling import validate_sampling
+from dspine_jax.models.sampling import validate_sampling
 from dspine_jax.drafters import io as drafter_io
 from dspine_jax.models import target as tgt
 from dspine_jax.models import tokenizer as tokenizer_io

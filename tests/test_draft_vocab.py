@@ -24,7 +24,7 @@ from drafter_helpers import append, tapped_features, with_random_injection
 from safetensors.numpy import load_file, save_file
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.io import init_drafter, load_drafter, save_drafter, with_draft_vocab

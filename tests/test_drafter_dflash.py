@@ -15,7 +15,7 @@ import pytest
 from conftest import require
 from drafter_helpers import append, block_logits, tapped_features
 
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.io import load_drafter
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import require
 from drafter_helpers import append, block_logits
 
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.config import DrafterConfigError, drafter_config_from_dict

@@ -13,7 +13,7 @@ import pytest
 from conftest import require
 from drafter_helpers import append, forward, tapped_features, with_random_injection
 
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.dspine import SPINE, transfer_codes_from_head
 from dspine_jax.drafters.io import init_drafter

@@ -13,7 +13,7 @@ import numpy as np
 from conftest import require
 from drafter_helpers import append, forward, tapped_features
 
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.dspine import SPINE
 from dspine_jax.drafters.io import load_drafter

@@ -12,7 +12,7 @@ import pytest
 from conftest import require
 from safetensors.numpy import load_file, save_file
 
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.config import DrafterConfigError, build_target_layer_ids, drafter_config_from_dict
 from dspine_jax.drafters.dspine import transfer_codes_from_head

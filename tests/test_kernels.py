@@ -21,7 +21,7 @@ from conftest import missing_reference
 from drafter_helpers import with_random_injection
 from jax.experimental import pallas as pl
 
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.dspine import SPINE
 from dspine_jax.models.layers import MASK_VALUE

@@ -112,7 +112,7 @@ def test_quantised_drafter_proposes_like_its_dequantised_twin(llama_int8, kind):
     those of a float drafter holding the dequantised values, and greedy speculative output equals AR."""
     from drafter_helpers import append, tapped_features
 
-    from dspine_jax.decoding.sampling import Sampling
+    from dspine_jax.models.sampling import Sampling
     from dspine_jax.drafters import drafter as D
     from dspine_jax.drafters.io import DRAFTER_MATRICES, load_draft, quantize_drafter
 

@@ -13,7 +13,7 @@ from flax import struct
 from jax.experimental import io_callback
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.sampling import Sampling, process_logits, process_rows
+from dspine_jax.models.sampling import Sampling, process_logits, process_rows
 from dspine_jax.decoding.speculative import DrafterProposer, accept_sampling
 from dspine_jax.drafters.drafter import DraftOutput
 from dspine_jax.drafters.io import init_drafter

@@ -32,7 +32,7 @@ from drafter_helpers import append, forward, tapped_features, with_random_inject
 from flax import struct
 from scipy import stats
 
-from dspine_jax.decoding.sampling import Sampling, sampling_probs
+from dspine_jax.models.sampling import Sampling, sampling_probs
 from dspine_jax.decoding.speculative import (
     DrafterProposer,
     OracleProposer,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from dspine_jax.decoding.planning import CompileTimer, GenerationResult, finish_reasons, plan_request
-from dspine_jax.decoding.sampling import sample
+from dspine_jax.models.sampling import sample
 from dspine_jax.models import target as tgt
 
 

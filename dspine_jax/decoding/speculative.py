@@ -51,7 +51,7 @@ from jax import Array
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.adaptive import VerifyPolicy
 from dspine_jax.decoding.planning import CompileTimer, GenerationResult, finish_reasons, plan_request, round_up
-from dspine_jax.decoding.sampling import Sampling, categorical_rows, process_rows, sample, split_rows
+from dspine_jax.models.sampling import Sampling, categorical_rows, process_rows, sample, split_rows
 from dspine_jax.drafters.drafter import Drafter, DraftOutput, append_context, draft, init_draft_cache, resize_ring
 from dspine_jax.drafters.io import check_compatible
 from dspine_jax.models import target as tgt

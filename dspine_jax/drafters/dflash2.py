@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters.config import DrafterConfig, DrafterConfigError, config_int, register_drafter_kind
 from dspine_jax.drafters.drafter import (
     BlockForward,

@@ -86,7 +86,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax.decoding.sampling import Sampling, categorical_rows, process_rows, split_rows
+from dspine_jax.models.sampling import Sampling, categorical_rows, process_rows, split_rows
 from dspine_jax.drafters.config import DrafterConfig, drafter_kind, register_drafter_kind
 from dspine_jax.models.cache import (
     LENGTHS_AXES, Int8KV, dequantize_kv, kv_zeros, quantize_kv, resize_slots, sharded_zeros,

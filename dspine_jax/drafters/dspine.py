@@ -28,7 +28,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters.config import (
     DSPINE_DEFAULTS,
     DrafterConfig,

@@ -63,7 +63,7 @@ from jax.sharding import Mesh
 
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.adaptive import VerifyPolicy
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.decoding.speculative import (
     DrafterProposer,
     NoProposer,

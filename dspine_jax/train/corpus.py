@@ -60,7 +60,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dspine_jax.decoding.planning import enable_compilation_cache, finish_reasons, plan_request
-from dspine_jax.decoding.sampling import sample
+from dspine_jax.models.sampling import sample
 from dspine_jax.drafters.config import build_target_layer_ids
 from dspine_jax.models import target as tgt
 from dspine_jax.models.target import Target, load_target

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dspine_jax.bench import median_seconds
 from dspine_jax.decoding import speculative as spec
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as dr
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models import target as tgt

@@ -30,7 +30,7 @@ import numpy as np
 from dspine_jax import bench
 from dspine_jax.decoding import adaptive, speculative
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.sampling import Sampling
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.decoding.speculative import DrafterProposer, speculative_generate
 from dspine_jax.drafters import drafter as drafter_mod
 from dspine_jax.drafters.io import load_drafter
