@@ -37,12 +37,14 @@ import jax
 import numpy as np
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.speculative import parse_verify, speculative_generate
+from dspine_jax.decoding.decoder import parse_verify
+from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models.hub import resolve_model_dir
 from dspine_jax.models.target import load_target
 from dspine_jax.models.tokenizer import encode_prompt, load_tokenizer
-from dspine_jax.train.data import DOMAINS, default_data_dir, encode_messages, load_heldout
+from dspine_jax.train.data import default_data_dir, load_heldout
+from dspine_jax.train.prompts import DOMAINS, encode_messages
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",

@@ -13,13 +13,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from dspine_jax.decoding import speculative
+from dspine_jax.decoding import decoder, speculative
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.planning import enable_compilation_cache, max_new_tokens_cap
-from dspine_jax.models.sampling import validate_sampling
 from dspine_jax.drafters import io as drafter_io
 from dspine_jax.models import target as tgt
 from dspine_jax.models import tokenizer as tokenizer_io
+from dspine_jax.models.sampling import validate_sampling
 from dspine_jax.models.tokenizer import encode_prompt
 
 _log = logging.getLogger("dspine_jax")
@@ -44,16 +44,16 @@ def check_args(parser, args) -> None:
         parser.error(f"--draft: {e}")
     for flag, value in (("--verify", args.verify), ("--block-size", args.block_size)):
         try:
-            verify = speculative.parse_verify(value) if value is not None else "auto"
+            verify = decoder.parse_verify(value) if value is not None else "auto"
             if verify != "auto":
-                speculative.check_block_size(verify, limit)
+                decoder.check_block_size(verify, limit)
         except ValueError as e:
             parser.error(f"{flag}: {e}")
     if args.verify not in (None, "auto") and args.block_size is not None and int(args.verify) != args.block_size:
         parser.error("--verify and --block-size both fix the verify length: give one")
     try:
         if args.sps_table is not None:
-            speculative.load_sps_table(args.sps_table)
+            decoder.load_sps_table(args.sps_table)
     except (ValueError, OSError) as e:
         parser.error(f"--sps-table: {e}")
 

@@ -17,7 +17,7 @@ How:
   ``config.json`` is fetched), the names and shapes of transformers' model built on the ``meta`` device.
   No weight is read and no memory is allocated.
 * Each program — generate's prefill, the serving engine's prefill chunk, the AR decode loop, the
-  speculative round (``speculative.loop_segment``) at each verify length ``adaptive.candidate_lengths``
+  speculative round (``decoder.segment``) at each verify length ``adaptive.candidate_lengths``
   can pick, the greedy peek, and the serving engine's step at each length and as a peek — is lowered
   with ``jax.export.export(jax.jit(f), platforms=[p])`` inside ``dispatch.lowering_for(p)``, so the kernels
   take the Pallas backend of ``p`` (Mosaic TPU / Triton), never the reference.
@@ -55,15 +55,18 @@ from jax import export
 from jax.sharding import NamedSharding
 from safetensors import safe_open
 
-from dspine_jax.decoding import adaptive, autoregressive, speculative
-from dspine_jax.decoding.speculative import DrafterProposer
+from dspine_jax.decoding import adaptive, decoder, speculative
+from dspine_jax.decoding import round as rnd
+from dspine_jax.decoding.proposers import NoProposer
 from dspine_jax.drafters import io as drafter_io
 from dspine_jax.drafters.config import drafter_kinds
-from dspine_jax.drafters.drafter import Drafter
+from dspine_jax.drafters.params import Drafter
+from dspine_jax.drafters.proposer import DrafterProposer
 from dspine_jax.models import dense, hub, hybrid, presets, weights
 from dspine_jax.models import target as tgt
 from dspine_jax.models.config import read_config_json
 from dspine_jax.models.family import family_for, target_config_from_dict
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.pallas import dispatch
 from dspine_jax.parallel import sharding
 from dspine_jax.parallel.mesh import logical_spec, make_mesh, use_mesh
@@ -317,8 +320,8 @@ def build_programs(target: tgt.Target, drafter: Drafter, setup: Setup, mesh: Any
         return only is None or any(name.startswith(o) for o in only)
 
     def prefill(target, proposer, tokens, lengths, key_data, temperature, top_p):
-        return speculative.prefill_impl(target, proposer, tokens, lengths, jax.random.wrap_key_data(key_data),
-                                        temperature, top_p, capacity=capacity, top_k=0, greedy=True)
+        return rnd.prefill(target, proposer, tokens, lengths, jax.random.wrap_key_data(key_data), temperature, top_p,
+                           capacity=capacity, top_k=0, greedy=True)  # fmt: skip
 
     prefill_args = (target, proposer, spec((b, w), i32), spec((b,), i32), _key_spec(), spec((), f32), spec((), f32))
     with use_mesh(mesh):
@@ -332,47 +335,46 @@ def build_programs(target: tgt.Target, drafter: Drafter, setup: Setup, mesh: Any
                       spec((b,), f32), spec((b,), f32), spec((b,), i32))
         programs.append(Program("prefill_chunk", engine.prefill_rows, chunk_args))
 
-    if want("ar_decode"):
+    def begin(cache, pstate, first, key_data, stop_ids, max_new, *, max_verify):
+        sampling = Sampling.rows(first.shape[0], jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
+        return speculative.begin_impl(cache, pstate, first, jax.random.wrap_key_data(key_data), sampling, stop_ids,
+                                      max_new, max_verify=max_verify, out_width=out_width)  # fmt: skip
+
+    if want("ar_decode"):  # generate: the decoder with nothing drafted, plain rounds to the end
+        plain = NoProposer()
+
         def ar_prefill(target, tokens, lengths, key_data):
-            return autoregressive.prefill.__wrapped__(target, tokens, lengths, jax.random.wrap_key_data(key_data),
-                                                      jnp.float32(1.0), jnp.float32(1.0), capacity=setup.context,
-                                                      top_k=0, greedy=True)
+            return rnd.prefill(target, plain, tokens, lengths, jax.random.wrap_key_data(key_data), jnp.float32(1.0),
+                               jnp.float32(1.0), capacity=setup.context + 1, top_k=0, greedy=True)  # fmt: skip
+
         with use_mesh(mesh):
-            ar_cache, _ = jax.eval_shape(ar_prefill, target, spec((b, w), i32), spec((b,), i32), _key_spec())
+            ar_cache, _, ar_first = jax.eval_shape(ar_prefill, target, spec((b, w), i32), spec((b,), i32), _key_spec())
+            ar_state, ar_out = jax.eval_shape(functools.partial(begin, max_verify=1), ar_cache, None, ar_first,
+                                              _key_spec(), stop_ids, spec((), i32))  # fmt: skip
+        fn = functools.partial(decoder.segment, verify_len=1, greedy=True)
+        programs.append(Program("ar_decode", fn, (target, plain, ar_state, ar_out, stop_ids, spec((), i32),
+                                                  abstract(adaptive.fixed_policy(1)))))
 
-        def ar_decode(target, cache, first, key_data, temperature, top_p, stop_ids):
-            return autoregressive.decode_loop.__wrapped__(
-                target, cache, first, jax.random.wrap_key_data(key_data), temperature, top_p, stop_ids,
-                max_new_tokens=setup.max_new_tokens, top_k=0, greedy=True)
-
-        programs.append(Program("ar_decode", ar_decode, (target, ar_cache, spec((b,), i32), _key_spec(),
-                                                         spec((), f32), spec((), f32), stop_ids)))
-
-    # speculative_generate(verify="auto"): the loop's carry, then one segment program per (length, peek).
-    def start(cache, pstate, first, key_data, temperature, top_p, top_k, stop_ids, max_new):
-        return speculative.start_impl(cache, pstate, first, jax.random.wrap_key_data(key_data), temperature, top_p,
-                                      top_k, stop_ids, max_new, out_width=out_width, max_verify=t_max)
-
+    # speculative_generate(verify="auto"): the rows' state, then one segment program per (length, peek).
     with use_mesh(mesh):
-        carry = jax.eval_shape(start, cache, pstate, first, _key_spec(), spec((), f32), spec((), f32),
-                               spec((), i32), stop_ids, spec((), i32))
+        state, transcript = jax.eval_shape(functools.partial(begin, max_verify=t_max), cache, pstate, first,
+                                           _key_spec(), stop_ids, spec((), i32))  # fmt: skip
     policy = abstract(adaptive.make_policy(candidates, dict.fromkeys(candidates, 1.0)))
     for t, peek in adaptive.programs(candidates, greedy_probes=True):
         name = "peek" if peek else f"round_T{t}"
         if want(name):
-            fn = functools.partial(speculative.segment_impl, verify_len=t, greedy=True, peek=peek)
-            programs.append(Program(name, fn, (target, proposer, carry, stop_ids, spec((), i32), policy),
+            fn = functools.partial(decoder.segment, verify_len=t, greedy=True, peek=peek)
+            programs.append(Program(name, fn, (target, proposer, state, transcript, stop_ids, spec((), i32), policy),
                                     drafts=peek or t > 1))
 
-    # The serving engine's step (``serve/engine.py::step``) at each length and as a peek, over R = batch slots.
-    stats = abstract(adaptive.init_state(b, t_max))
-    step_args = (target, proposer, cache, pstate, spec((b,), i32), spec((b,), bool), spec((b,), i32), _key_spec(b),
-                 spec((b,), f32), spec((b,), f32), spec((b,), i32), stop_ids, spec((), i32), policy, stats)
+    # The serving engine's step (``serve/engine.py::step``) at each length and as a peek, over R = batch slots
+    # (its state: the same rows' state as above).
     for t, peek in adaptive.programs(candidates, greedy_probes=True):
         name = "step_peek" if peek else f"step_T{t}"
         if want(name):
             fn = functools.partial(engine.step, verify_len=t, max_rounds=ENGINE_ROUNDS, peek=peek)
-            programs.append(Program(name, fn, step_args, drafts=peek or t > 1))
+            programs.append(Program(name, fn, (target, proposer, state, stop_ids, spec((), i32), policy),
+                                    drafts=peek or t > 1))
     return programs
 
 

@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.speculative import DrafterProposer, Proposer, as_proposer, speculative_generate
+from dspine_jax.decoding.proposers import Proposer, as_proposer
+from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models.target import Target, load_target
 from dspine_jax.models.tokenizer import load_tokenizer
@@ -99,9 +100,9 @@ def tune(
 ) -> dict[str, Any]:
     """Measure acceptance and round cost; return the sps table (JSON-ready dict, see the module doc)."""
     proposer: Proposer = as_proposer(drafter)
-    if not isinstance(proposer, DrafterProposer):
-        raise ValueError("tune needs a Drafter (its full block bounds the verify lengths)")
-    block = proposer.drafter.config.block_size
+    block = proposer.block_limit
+    if block is None or block < 2:
+        raise ValueError("tune needs a drafter with a block of at least 2 (its block bounds the verify lengths)")
     if verify_lengths is None:
         verify_lengths = sorted({t for t in (2, 3, 4, 6, 8, 12, 16, block) if t <= block})
     verify_lengths = sorted({int(t) for t in verify_lengths})

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters import dspine
 from dspine_jax.drafters.config import drafter_config_from_dict
+from dspine_jax.drafters.ring import DraftCache
 from dspine_jax.models.dense import DenseParams
 from dspine_jax.models.family import target_config_from_dict
 from dspine_jax.models.target import Target
@@ -71,7 +72,12 @@ def abstract_drafter(cfg: dict, dtype) -> D.Drafter:
         )
         for _ in range(L)
     )
-    injection = codes = None
+    params = D.DrafterParams(
+        fc=sds((c.num_taps * h, h), dtype),
+        hidden_norm=sds((h,), dtype),
+        layers=layers,
+        norm=sds((h,), dtype),
+    )
     if c.kind == "dspine":
         r, m = c.transfer_rank, c.message_size
         injection = dspine.Injection(
@@ -82,15 +88,7 @@ def abstract_drafter(cfg: dict, dtype) -> D.Drafter:
             predecessor_gate=sds((r, m), dtype),
             bias=sds((m,), dtype),
         )
-        codes = sds((c.vocab_size, r), dtype)
-    params = D.DrafterParams(
-        fc=sds((c.num_taps * h, h), dtype),
-        hidden_norm=sds((h,), dtype),
-        layers=layers,
-        norm=sds((h,), dtype),
-        injection=injection,
-        transfer_codes=codes,
-    )
+        params = D.with_kind_weights(dspine.DSpineParams, params, injection=injection, transfer_codes=sds((c.vocab_size, r), dtype))
     return D.Drafter(params=params, config=c)
 
 
@@ -107,7 +105,7 @@ def measure(name: str, target_cfg: dict, drafter_cfg: dict, batch: int, context_
     c = drafter.config
     L, t, h = c.num_layers, c.block_size, c.hidden_size
     ring = tuple(sds((batch, c.num_kv_heads, context_slots, c.head_dim), dtype) for _ in range(L))
-    cache = D.DraftCache(k=ring, v=ring, lengths=sds((batch,), jnp.int32))
+    cache = DraftCache(k=ring, v=ring, lengths=sds((batch,), jnp.int32))
     anchor, key, temp = sds((batch,), jnp.int32), jax.eval_shape(lambda: jax.random.PRNGKey(0)), sds((), jnp.float32)
     block = sds((batch, t, h), dtype)
     fwd = D.BlockForward(hidden=block, pre_injection=block)

@@ -36,7 +36,8 @@ from dspine_jax.decoding.speculative import speculative_generate  # noqa: E402
 from dspine_jax.drafters.io import load_drafter  # noqa: E402
 from dspine_jax.models.target import load_target  # noqa: E402
 from dspine_jax.train.__main__ import main as train_main  # noqa: E402
-from dspine_jax.train.data import DOMAINS, load_heldout  # noqa: E402
+from dspine_jax.train.data import load_heldout  # noqa: E402
+from dspine_jax.train.prompts import DOMAINS  # noqa: E402
 
 TAPS = "1,8,14,20,27"  # z-lab's rule for a 5-layer drafter on a 30-layer target
 COMMON = ["--kind", "dspine", "--batch-size", "4", "--anchors", "8", "--lr", "0.001", "--max-len", "512",

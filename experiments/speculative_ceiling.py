@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.speculative import OracleProposer, speculative_generate
-from dspine_jax.drafters.drafter import append_context, draft, init_draft_cache
+from dspine_jax.decoding.proposers import OracleProposer
+from dspine_jax.decoding.speculative import speculative_generate
+from dspine_jax.drafters.drafter import draft
 from dspine_jax.drafters.io import init_drafter
+from dspine_jax.drafters.ring import append_context, init_draft_cache
 from dspine_jax.models import target as tgt
 from dspine_jax.models.tokenizer import load_tokenizer
 

@@ -34,7 +34,8 @@ from dspine_jax.models.target import load_target  # noqa: E402
 from dspine_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from dspine_jax.train import __main__ as train_cli  # noqa: E402
 from dspine_jax.train import corpus  # noqa: E402
-from dspine_jax.train.data import DOMAINS, PLAN_FILE, encode_messages, load_heldout, read_plan  # noqa: E402
+from dspine_jax.train.data import PLAN_FILE, load_heldout, read_plan  # noqa: E402
+from dspine_jax.train.prompts import DOMAINS, encode_messages  # noqa: E402
 
 COMMITTED = REPO / "experiments" / "data" / "smollm2-v2"
 

@@ -14,7 +14,9 @@ import pytest
 
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.speculative import DECIDE_EVERY, OracleProposer, speculative_generate
+from dspine_jax.decoding.decoder import COST_SAMPLES, DECIDE_EVERY, Calibration
+from dspine_jax.decoding.proposers import OracleProposer
+from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import init_drafter
 from dspine_jax.models.target import load_target
 
@@ -119,27 +121,22 @@ def test_cost_estimate_explores_the_neighbours_of_the_choice():
     assert estimate.current()[8] == pytest.approx(2.0 * 1.35 / 1.5)  # (the policy's guess is scaled)
 
 
-def test_calibration_keeps_the_fastest_repeat(monkeypatch):
-    """A busy moment during two of the three timed repeats of one length (the warm-up pass is not counted) must
-    not price that length dear: the calibration keeps each length's fastest repeat (a median would keep 10×)."""
-    from types import SimpleNamespace
-
-    from dspine_jax.decoding import speculative as spec
-
-    clock = [0.0]
-    monkeypatch.setattr(spec.time, "perf_counter", lambda: clock[0])
+def test_calibration_keeps_the_fastest_repeat():
+    """A busy moment during two of the three timed segments of one length (the first is not counted) must not
+    price that length dear: the calibration keeps each length's fastest segment (a median would keep 10×); the
+    lengths interleave, and the costs exist only once every length has its samples. One rule, whether the
+    segments are run ahead (``speculative_generate``) or are the engine's first steps."""
     per_round = {1: 1.0, 2: 1.5, 4: 1.7}
-    runs = {t: 0 for t in per_round}
-
-    def run(carry, length, rounds):
-        runs[length] += 1
-        busy = length == 2 and runs[length] in (2, 3)  # passes 1 and 2 after the warm-up
-        clock[0] += rounds * per_round[length] * (10.0 if busy else 1.0)
-        return SimpleNamespace(iterations=rounds)
-
-    costs = spec.measure_verify_costs(lambda: SimpleNamespace(iterations=0), run, (1, 2, 4), rounds=8, repeats=3)
-    assert costs == pytest.approx(per_round)
-    assert runs == {1: 4, 2: 4, 4: 4}
+    calibration = Calibration(per_round)
+    order = []
+    while calibration.costs() is None:
+        t = calibration.next_length()
+        order.append(t)
+        busy = t == 2 and order.count(2) in (2, 3)  # the first two counted segments of T = 2
+        calibration.record(t, 8 * per_round[t] * (10.0 if busy else 1.0), 8)
+    costs, segments = calibration.costs()
+    assert costs == pytest.approx(per_round) and segments == dict.fromkeys(per_round, COST_SAMPLES)
+    assert order[:6] == [1, 2, 4, 1, 2, 4] and len(order) == 3 * (COST_SAMPLES + 1)
 
 
 def test_cost_cache_round_trip_with_segments(tmp_path, monkeypatch):

@@ -9,13 +9,13 @@ import ast
 import dataclasses
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tomllib
 from flax import struct
 
 import dspine_jax as dj

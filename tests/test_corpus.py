@@ -15,7 +15,6 @@ from dspine_jax.drafters.config import build_target_layer_ids
 from dspine_jax.models.target import load_target
 from dspine_jax.train import corpus
 from dspine_jax.train.data import (
-    DOMAINS,
     PLAN_FILE,
     PackedFeatures,
     build_features,
@@ -23,6 +22,14 @@ from dspine_jax.train.data import (
     load_sequences,
     read_plan,
     target_features,
+)  # fmt: skip
+from dspine_jax.train.prompts import (
+    DOMAINS,
+    EXTENSIONS,
+    _source_lines,
+    _source_segment,
+    prompt_key,
+    stdlib_code_prompts,
 )  # fmt: skip
 
 COMMITTED = Path(__file__).resolve().parents[1] / "experiments" / "data" / "smollm2-v2"
@@ -223,8 +230,8 @@ def test_captured_features_and_tokens_equal_generate_and_the_forward_pass(tiny_m
 def test_stdlib_prompts_are_humaneval_style_stubs_and_real_source():
     import ast
 
-    prompts = corpus.stdlib_code_prompts()
-    assert len(prompts) > 2000 and prompts == corpus.stdlib_code_prompts()  # deterministic
+    prompts = stdlib_code_prompts()
+    assert len(prompts) > 2000 and prompts == stdlib_code_prompts()  # deterministic
     assert len({p["source"] for p in prompts}) == len(prompts)
     fence = re.compile(r"```python\n(.*)```", re.S)
     for p in prompts[:400]:
@@ -250,11 +257,11 @@ def test_extend_plan_appends_without_moving_rows(tmp_path, monkeypatch):
     held = {"heldout": {d: [] for d in DOMAINS}, "train": {}}
     held["heldout"]["code"] = [{"messages": [{"role": "user", "content": "held"}], "source": "humaneval/HumanEval/0",
                                 "key": "k", "prompt_ids": [1]}]  # fmt: skip
-    held["heldout"]["code"][0]["key"] = corpus.prompt_key(held["heldout"]["code"][0])
+    held["heldout"]["code"][0]["key"] = prompt_key(held["heldout"]["code"][0])
     (tmp_path / corpus.HELDOUT_FILE).write_text(json.dumps(held))
     new = [{"messages": [{"role": "user", "content": c}], "source": f"ext/{i}"}
            for i, c in enumerate(["a", "held", "q3", "b", "a", "x " * 400])]  # fmt: skip
-    monkeypatch.setitem(corpus.EXTENSIONS, "ext", ("math", lambda: [dict(r) for r in new]))
+    monkeypatch.setitem(EXTENSIONS, "ext", ("math", lambda: [dict(r) for r in new]))
     tok = load_tokenizer("smollm2-135m-instruct")
     # kept: "a" and "b"; dropped: held-out "held", planned "q3", the repeated "a", the over-long prompt
     assert corpus.extend_plan(tok, tmp_path, "ext", max_prompt_tokens=64) == 2
@@ -305,6 +312,6 @@ def test_source_segment_equals_ast_get_source_segment():
             "def h():\n    pass\n    return 'ß'")  # fmt: skip
     tree = ast.parse(text)
     nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Return, ast.Constant))]
-    lines = corpus._source_lines(text)
+    lines = _source_lines(text)
     assert "".join(lines) == text
-    assert len(nodes) > 6 and all(corpus._source_segment(lines, n) == ast.get_source_segment(text, n) for n in nodes)
+    assert len(nodes) > 6 and all(_source_segment(lines, n) == ast.get_source_segment(text, n) for n in nodes)

@@ -24,10 +24,12 @@ from drafter_helpers import append, tapped_features, with_random_injection
 from safetensors.numpy import load_file, save_file
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.models.sampling import Sampling
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters import params as params_mod
 from dspine_jax.drafters.io import init_drafter, load_drafter, save_drafter, with_draft_vocab
+from dspine_jax.drafters.ring import init_draft_cache
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import load_target
 from dspine_jax.models.weights import CheckpointError
 from dspine_jax.train.data import target_features
@@ -49,7 +51,7 @@ def vocab_ids(seed: int = 0, size: int = 64) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(np.arange(128), size, replace=False))
 
 
-def make_drafter(target, kind: str, ids: np.ndarray | None = None) -> D.Drafter:
+def make_drafter(target, kind: str, ids: np.ndarray | None = None) -> params_mod.Drafter:
     drafter = init_drafter(target, kind, num_layers=1, block_size=BLOCK, top_k=8, seed=3, initializer_range=0.2)
     if kind == "dspine":
         drafter = with_random_injection(drafter, seed=7, scale=2.0)
@@ -58,7 +60,7 @@ def make_drafter(target, kind: str, ids: np.ndarray | None = None) -> D.Drafter:
 
 def context(target, drafter, prompt):
     tapped = tapped_features(target, [prompt], drafter.config.target_layer_ids)
-    cache = append(drafter, D.init_draft_cache(drafter, 1, 32), tapped, jnp.array([len(prompt)]))
+    cache = append(drafter, init_draft_cache(drafter, 1, 32), tapped, jnp.array([len(prompt)]))
     return cache, jnp.array([prompt[-1]], jnp.int32)
 
 

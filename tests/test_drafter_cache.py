@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from drafter_helpers import append, block_logits, tapped_features
 
-from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.io import init_drafter
+from dspine_jax.drafters.ring import DraftCache, init_draft_cache
 
 BLOCK = 4
 TAPS = [0, 1]
@@ -34,7 +34,7 @@ def test_ragged_batch_equals_single_rows(qwen3_target, kind):
     seqs = rng.randint(3, 128, size=(2, 12))
     tapped = tapped_features(target, seqs, drafter.config.target_layer_ids)
     first, second = np.array([7, 4]), np.array([2, 3])
-    cache = append(drafter, D.init_draft_cache(drafter, 2, 32), tapped[:, :, :8], jnp.asarray(first))
+    cache = append(drafter, init_draft_cache(drafter, 2, 32), tapped[:, :, :8], jnp.asarray(first))
     # Second append: each row's new features start at its own length.
     block = np.stack([np.asarray(tapped[:, b, first[b] : first[b] + 4]) for b in range(2)], axis=1)
     cache = append(drafter, cache, jnp.asarray(block), jnp.asarray(second))
@@ -43,7 +43,7 @@ def test_ragged_batch_equals_single_rows(qwen3_target, kind):
     for b in range(2):
         n = first[b] + second[b]
         alone = append(
-            drafter, D.init_draft_cache(drafter, 1, 32), tapped[:, b : b + 1], jnp.array([n])
+            drafter, init_draft_cache(drafter, 1, 32), tapped[:, b : b + 1], jnp.array([n])
         )  # padding past n is ignored
         np.testing.assert_allclose(
             batched[b], block_logits(drafter, target, alone, anchors[b : b + 1])[0], atol=1e-5, rtol=1e-5
@@ -67,11 +67,11 @@ def test_ring_buffer_window_equals_unbounded_cache(qwen3_target):
         sliding_window=window,
         initializer_range=0.2,
     )
-    ring = D.init_draft_cache(drafter, 1, 64)
+    ring = init_draft_cache(drafter, 1, 64)
     assert ring.capacity == window - 1
     b, kh, _, d = ring.k[0].shape
     unbounded = tuple(jnp.zeros((b, kh, 64, d), ring.k[0].dtype) for _ in ring.k)
-    full = D.DraftCache(k=unbounded, v=unbounded, lengths=ring.lengths)
+    full = DraftCache(k=unbounded, v=unbounded, lengths=ring.lengths)
     seq = np.random.RandomState(3).randint(3, 128, size=(1, 24))
     tapped = tapped_features(target, seq, drafter.config.target_layer_ids)
     pos = 0

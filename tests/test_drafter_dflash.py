@@ -15,9 +15,10 @@ import pytest
 from conftest import require
 from drafter_helpers import append, block_logits, tapped_features
 
-from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.io import load_drafter
+from dspine_jax.drafters.ring import init_draft_cache
+from dspine_jax.models.sampling import Sampling
 
 torch = require("torch")
 dflash_model = require("dflash.model")
@@ -95,7 +96,7 @@ def test_matches_zlab_across_two_rounds(qwen3_target, tmp_path):
 
     zcache = dflash_model._make_cache(model.config)
     ref1 = zlab_round(model, hf_target, feats[:, :prompt], int(seq[prompt]), prompt, zcache)
-    cache = append(drafter, D.init_draft_cache(drafter, 1, 32), tapped[:, :, :prompt], jnp.array([prompt]))
+    cache = append(drafter, init_draft_cache(drafter, 1, 32), tapped[:, :, :prompt], jnp.array([prompt]))
     np.testing.assert_allclose(block_logits(drafter, target, cache, [seq[prompt]])[0], ref1, atol=1e-4, rtol=1e-4)
 
     start = prompt + produced
@@ -131,7 +132,7 @@ def test_matches_zlab_sliding_layers_causal_by_default(qwen3_target, tmp_path):
         dflash_model._make_cache(model.config),
     )
     tapped = tapped_features(target, seq[None], drafter.config.target_layer_ids)
-    cache = append(drafter, D.init_draft_cache(drafter, 1, 32), tapped[:, :, :prompt], jnp.array([prompt]))
+    cache = append(drafter, init_draft_cache(drafter, 1, 32), tapped[:, :, :prompt], jnp.array([prompt]))
     np.testing.assert_allclose(block_logits(drafter, target, cache, [seq[prompt]])[0], ref, atol=1e-4, rtol=1e-4)
 
 
@@ -146,7 +147,7 @@ def zlab_drafter_round(qwen3_target, tmp_path_factory):
     seq = np.random.RandomState(4).randint(3, 128, size=9)
     prompt, anchor = 8, int(seq[8])
     cache = append(
-        drafter, D.init_draft_cache(drafter, 1, 32), tapped_features(target, seq[None, :prompt], TAPS),
+        drafter, init_draft_cache(drafter, 1, 32), tapped_features(target, seq[None, :prompt], TAPS),
         jnp.array([prompt]),
     )  # fmt: skip
     return target, drafter, cache, jnp.array([anchor], jnp.int32), block_logits(drafter, target, cache, [anchor])[0]

@@ -23,12 +23,14 @@ import pytest
 from conftest import require
 from drafter_helpers import append, block_logits
 
-from dspine_jax.models.sampling import Sampling
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters import params as params_mod
 from dspine_jax.drafters.config import DrafterConfigError, drafter_config_from_dict
 from dspine_jax.drafters.dflash2 import DFlash2Params, DynamicConv, grouped_causal_conv
 from dspine_jax.drafters.io import init_drafter, load_drafter, save_drafter
+from dspine_jax.drafters.ring import init_draft_cache
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import forward as target_forward
 from dspine_jax.models.target import init_cache
 
@@ -165,7 +167,7 @@ draft = jax.jit(D.draft)
 def draft_rounds(drafter, target, trajectory, temperature: float = 0.0, seed: int = 0) -> tuple[D.DraftOutput, list]:
     """Our draft for every recorded round's context (one batch) → its output and the rows' (prompt, round)."""
     taps, starts, anchors, rows = round_contexts(target, trajectory)
-    cache = append(drafter, D.init_draft_cache(drafter, len(rows), CAPACITY), taps, jnp.asarray(starts))
+    cache = append(drafter, init_draft_cache(drafter, len(rows), CAPACITY), taps, jnp.asarray(starts))
     keys = jax.random.split(jax.random.key(seed), len(rows))
     return draft(drafter, target, cache, jnp.asarray(anchors), keys, Sampling.rows(len(rows), temperature)), rows
 
@@ -348,10 +350,10 @@ def test_fresh_dflash2_backbone_is_dflash(zlab, tmp_path):
     fresh = init_drafter(target, "dflash2", num_layers=2, block_size=BLOCK, top_k=5, conv_kernel_size=2, selector_rank=4, seed=1)
     c = fresh.config
     assert (c.kind, c.top_k, c.conv_kernel_size, c.conv_group_size, c.selector_rank) == ("dflash2", 5, 2, 64, 4)
-    backbone = D.DrafterParams(**{f.name: getattr(fresh.params, f.name) for f in dataclasses.fields(D.DrafterParams)})
-    dflash = D.Drafter(params=backbone, config=dataclasses.replace(c, kind="dflash", top_k=c.vocab_size))
+    backbone = params_mod.with_kind_weights(params_mod.DrafterParams, fresh.params)
+    dflash = params_mod.Drafter(params=backbone, config=dataclasses.replace(c, kind="dflash", top_k=c.vocab_size))
     seq = np.random.RandomState(5).randint(3, VOCAB, size=(1, 9))
-    cache = append(fresh, D.init_draft_cache(fresh, 1, CAPACITY), our_taps(target, seq), jnp.array([8]))
+    cache = append(fresh, init_draft_cache(fresh, 1, CAPACITY), our_taps(target, seq), jnp.array([8]))
     anchor = seq[:, 8]
     ours, dflash_logits = block_logits(fresh, target, cache, anchor), block_logits(dflash, target, cache, anchor)
     np.testing.assert_allclose(ours, dflash_logits, rtol=1e-6, atol=1e-6)

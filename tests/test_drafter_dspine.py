@@ -4,8 +4,6 @@ parity on z-lab's backbone is in test_drafter_dspine_specforge.py (it needs ``df
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +11,13 @@ import pytest
 from conftest import require
 from drafter_helpers import append, forward, tapped_features, with_random_injection
 
-from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters import params as params_mod
+from dspine_jax.drafters.config import DrafterConfig, config_as_kind
 from dspine_jax.drafters.dspine import SPINE, transfer_codes_from_head
 from dspine_jax.drafters.io import init_drafter
+from dspine_jax.drafters.ring import init_draft_cache
+from dspine_jax.models.sampling import Sampling
 
 BLOCK = 5
 TAPS = [0, 1]
@@ -38,13 +39,12 @@ def test_fresh_dspine_equals_causal_dflash_exactly(qwen3_target):
         seed=3,
     )
     # The same weights as a causal DFlash: drop the injection, keep everything else.
-    dflash_config = dataclasses.replace(
-        dspine.config, kind="dflash", top_k=dspine.config.vocab_size, transfer_rank=0, message_size=0
-    )
-    dflash = D.Drafter(params=dspine.params.replace(injection=None, transfer_codes=None), config=dflash_config)
+    dflash_config = config_as_kind(dspine.config, "dflash", top_k=dspine.config.vocab_size)
+    assert type(dflash_config) is DrafterConfig and dflash_config.layer_causal == (True, True)
+    dflash = params_mod.Drafter(params=params_mod.with_kind_weights(params_mod.DrafterParams, dspine.params), config=dflash_config)
     seq = np.random.RandomState(6).randint(3, 128, size=(2, 9))
     tapped = tapped_features(target, seq, TAPS)
-    cache = append(dspine, D.init_draft_cache(dspine, 2, 32), tapped, jnp.array([9, 6]))
+    cache = append(dspine, init_draft_cache(dspine, 2, 32), tapped, jnp.array([9, 6]))
     tokens = D.block_tokens(dspine, jnp.array([4, 9]))
 
     @jax.jit
@@ -73,7 +73,7 @@ def trained_dspine(qwen3_target):
     drafter = with_random_injection(drafter, seed=11)
     seq = np.random.RandomState(8).randint(3, 128, size=(3, 10))
     tapped = tapped_features(target, seq, TAPS)
-    cache = append(drafter, D.init_draft_cache(drafter, 3, 32), tapped, jnp.array([10, 7, 3]))
+    cache = append(drafter, init_draft_cache(drafter, 3, 32), tapped, jnp.array([10, 7, 3]))
     anchor = jnp.array([4, 50, 99], jnp.int32)
     return target, drafter, cache, anchor
 

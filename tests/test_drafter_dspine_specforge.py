@@ -13,10 +13,11 @@ import numpy as np
 from conftest import require
 from drafter_helpers import append, forward, tapped_features
 
-from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.dspine import SPINE
 from dspine_jax.drafters.io import load_drafter
+from dspine_jax.drafters.ring import init_draft_cache
+from dspine_jax.models.sampling import Sampling
 
 torch = require("torch")
 dflash_model = require("dflash.model")
@@ -111,7 +112,7 @@ def test_forward_table_and_walk_match_specforge_semantics(qwen3_target, tmp_path
             ref_tokens.append(int(cand[0, i, index[0]]))
 
     tapped = tapped_features(target, seq[None], drafter.config.target_layer_ids)
-    cache = append(drafter, D.init_draft_cache(drafter, 1, 32), tapped, jnp.array([prompt]))
+    cache = append(drafter, init_draft_cache(drafter, 1, 32), tapped, jnp.array([prompt]))
     fwd = forward(drafter, target, cache, D.block_tokens(drafter, jnp.array([anchor])))
     np.testing.assert_allclose(np.asarray(fwd.hidden), ref_hidden.numpy(), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(fwd.pre_injection), pre.numpy(), atol=1e-4, rtol=1e-4)

@@ -12,11 +12,12 @@ import pytest
 from conftest import require
 from safetensors.numpy import load_file, save_file
 
-from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.config import DrafterConfigError, build_target_layer_ids, drafter_config_from_dict
 from dspine_jax.drafters.dspine import transfer_codes_from_head
 from dspine_jax.drafters.io import copy_target_layers, init_drafter, load_drafter, save_drafter
+from dspine_jax.drafters.ring import init_draft_cache
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import load_target
 from dspine_jax.models.weights import CheckpointError
 
@@ -142,7 +143,8 @@ def test_malformed_tensors_fail_naming_the_tensor(target, dspine_dir, edit, mess
     "edit,message",
     [
         (lambda c: c.update(hidden_size=32), "hidden_size 32 does not match the target's hidden_size 64"),
-        (lambda c: c.update(vocab_size=100), "vocab_size 100 does not match the target's vocab_size 128"),
+        # Larger than the target's: a smaller one would first fail the config's own mask_token_id < vocab_size.
+        (lambda c: c.update(vocab_size=200), "vocab_size 200 does not match the target's vocab_size 128"),
         (lambda c: c.update(num_target_layers=36), "36-layer target"),
         (lambda c: c["dflash_config"].update(target_layer_ids=[0, 3]), "outside the 3-layer target"),
         (
@@ -259,7 +261,7 @@ def test_one_jitted_draft_call_for_block_16(target):
         top_k=16,
         target_layer_ids=TAPS,
     )
-    cache = D.init_draft_cache(drafter, 2, 64)
+    cache = init_draft_cache(drafter, 2, 64)
     args = (drafter, target, cache, jnp.zeros((2,), jnp.int32), jax.random.split(jax.random.key(0), 2), Sampling.rows(2))
     lowered = jax.jit(D.draft).lower(*args)
     shapes = jax.eval_shape(D.draft, *args)

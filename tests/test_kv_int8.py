@@ -19,8 +19,9 @@ from test_speculative import oracle
 
 from dspine_jax.decoding import speculative as spec
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.drafters.drafter import DraftCache
 from dspine_jax.drafters.io import init_drafter
+from dspine_jax.drafters.proposer import DrafterProposer
+from dspine_jax.drafters.ring import DraftCache
 from dspine_jax.models import cache as kv
 from dspine_jax.models import target as tgt
 from dspine_jax.models.layers import cached_attention
@@ -115,9 +116,9 @@ def test_int8_caches_layout_memory_and_errors(dense, hybrid, monkeypatch):
     assert _nbytes((cache.k, cache.v)) * 4 * c.head_dim == _nbytes((float_cache.k, float_cache.v)) * (c.head_dim + 4)
     # The drafter's ring follows the target's setting; the hybrid's GDN state stays float32.
     drafter = init_drafter(q8, "dspine", num_layers=1, block_size=4, top_k=4, seed=3)
-    ring = spec.DrafterProposer(drafter).init(q8, 2, 32)
+    ring = DrafterProposer(drafter).init(q8, 2, 32)
     assert isinstance(ring, DraftCache) and all(isinstance(x, kv.Int8KV) for x in ring.k + ring.v)
-    assert not isinstance(spec.DrafterProposer(drafter).init(f32, 2, 32).k[0], kv.Int8KV)
+    assert not isinstance(DrafterProposer(drafter).init(f32, 2, 32).k[0], kv.Int8KV)
     hc = tgt.init_cache(hybrid, 1, 16)
     assert all(isinstance(x, kv.Int8KV) for x in hc.k + hc.v)
     assert {x.dtype for x in hc.conv + hc.state} == {jnp.dtype(jnp.float32)}
@@ -196,8 +197,9 @@ def test_int8_kv_on_a_mesh_equals_one_device(dense):
 def test_int8_kv_engine_equals_generate(dense):
     """The serving engine on int8 K/V: a multi-turn transcript whose rows start from the prefix cache and
     grow past the first capacity bucket (a refit and a start_row resize of int8 caches and rings)."""
-    from dspine_jax.serve.engine import EngineCore
     from test_serve_engine import run_multi_turn
+
+    from dspine_jax.serve.engine import EngineCore
 
     _, target = dense
     drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)

@@ -174,7 +174,7 @@ def test_int8_kv_cache_lowers(tiny_llama):
                 if p.name in ("round_T4", "step_T4", "ar_decode")]
     assert len(programs) == 3
     round4 = next(p for p in programs if p.name == "round_T4")
-    cache_leaves = jax.tree.leaves(round4.args[2].round.cache)
+    cache_leaves = jax.tree.leaves(round4.args[2].cache)
     assert any(x.dtype == jnp.int8 for x in cache_leaves)  # the carry's caches really are int8
     rows = [lower.lower_program(p, platform, 2) for p in programs for platform in ("tpu", "cuda")]
     _check_rows(rows, ("tpu", "cuda"))

@@ -14,7 +14,7 @@ from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import init_drafter
 from dspine_jax.models import quant
-from dspine_jax.models.target import load_target, lm_logits
+from dspine_jax.models.target import lm_logits, load_target
 
 PROMPTS = [[5, 17, 33, 9, 60, 11], [7, 3, 99]]
 
@@ -112,9 +112,10 @@ def test_quantised_drafter_proposes_like_its_dequantised_twin(llama_int8, kind):
     those of a float drafter holding the dequantised values, and greedy speculative output equals AR."""
     from drafter_helpers import append, tapped_features
 
-    from dspine_jax.models.sampling import Sampling
     from dspine_jax.drafters import drafter as D
     from dspine_jax.drafters.io import DRAFTER_MATRICES, load_draft, quantize_drafter
+    from dspine_jax.drafters.ring import init_draft_cache
+    from dspine_jax.models.sampling import Sampling
 
     target, _ = llama_int8
     drafter = init_drafter(target, kind, num_layers=1, block_size=4, top_k=4, seed=3, initializer_range=0.2)
@@ -128,7 +129,7 @@ def test_quantised_drafter_proposes_like_its_dequantised_twin(llama_int8, kind):
     anchor, keys = jnp.array([PROMPTS[0][-1]], jnp.int32), jax.random.split(jax.random.key(0), 1)
     outs = []
     for d in (q8, twin):
-        cache = append(d, D.init_draft_cache(d, 1, 32), tapped, jnp.array([len(PROMPTS[0])]))
+        cache = append(d, init_draft_cache(d, 1, 32), tapped, jnp.array([len(PROMPTS[0])]))
         outs.append(D.draft(d, target, cache, anchor, keys, Sampling.rows(1, temperature=1.0)))
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
     np.testing.assert_allclose(np.asarray(outs[0].q), np.asarray(outs[1].q), rtol=1e-4, atol=1e-6)

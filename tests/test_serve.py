@@ -227,7 +227,7 @@ def test_sampling_seeded(server, monkeypatch):
     """Same seed, same text. Under ``--verify auto`` the verify lengths follow measured timings, and lossless
     speculative sampling draws differently at different lengths (the distribution is the same, the sample is
     not), so the seed is reproducible at a fixed length: pinned here as ``--verify 4`` would pin it."""
-    monkeypatch.setattr(server["core"], "_forced_length", 4)
+    monkeypatch.setattr(server["core"].decoder, "forced_length", 4)
     client = server["client"]
     kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
               extra_body={"top_k": 20})

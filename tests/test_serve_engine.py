@@ -12,11 +12,14 @@ import pytest
 from flax import struct
 from jax.experimental import io_callback
 
+from dspine_jax.decoding.accept import accept_sampling
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.models.sampling import Sampling, process_logits, process_rows
-from dspine_jax.decoding.speculative import DrafterProposer, accept_sampling
+from dspine_jax.decoding.decoder import COST_SAMPLES
+from dspine_jax.decoding.proposers import OracleProposer
 from dspine_jax.drafters.drafter import DraftOutput
 from dspine_jax.drafters.io import init_drafter
+from dspine_jax.drafters.proposer import DrafterProposer
+from dspine_jax.models.sampling import Sampling, process_logits, process_rows
 from dspine_jax.models.target import load_target
 from dspine_jax.serve import engine as eng
 from dspine_jax.serve.engine import EngineCore, SlotParams
@@ -166,7 +169,7 @@ def decode_one(core: EngineCore, prompt: list[int], budget: int) -> tuple[list[i
 
 def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, monkeypatch):
     """``verify="auto"`` (the default): the first steps of a row bucket run pinned lengths and time them (exact
-    all the same); the medians are stored on disk and later engines read them; with costs that make
+    all the same); the costs (``decoder.Calibration``) are stored on disk and later engines read them; with costs that make
     drafting pointless the policy settles on plain decode steps."""
     from dspine_jax.decoding import adaptive
 
@@ -178,13 +181,12 @@ def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, 
     out, seen = decode_one(core, PROMPTS[0], 60)
     assert out == ref
     assert set(seen) == {1, 2, 4}  # calibration pinned every length
-    assert set(core.costs[1]) == {1, 2, 4} and all(v > 0 for v in core.costs[1].values())
     (key, stored), = json.loads((tmp_path / adaptive.COSTS_FILE).read_text()).items()
-    assert "|b1|" in key and adaptive.load_cost_entry(key)[0] == core.costs[1]
-    assert stored["segments"] == {str(t): eng.COST_SAMPLES for t in (1, 2, 4)}  # live steps timed each length
+    costs = adaptive.load_cost_entry(key)[0]
+    assert "|b1|" in key and set(costs) == {1, 2, 4} and all(v > 0 for v in costs.values())
+    assert stored["segments"] == {str(t): COST_SAMPLES for t in (1, 2, 4)}  # live steps timed each length
     again = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[])
-    policy, pinned = again.policy_for(1, 1)  # read from disk: no calibration
-    assert pinned is None and np.allclose(np.asarray(policy.costs), [core.costs[1][t] for t in (1, 2, 4)])
+    assert not again.decoder.needs_calibration(1) and again.decoder.costs(1) == costs  # read from disk
 
     pointless = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[],
                            verify_costs={1: {1: 1.0, 2: 5.0, 4: 9.0}})  # fmt: skip
@@ -193,17 +195,30 @@ def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, 
     assert seen[0] == 1 and sum(t > 1 for t in seen) <= 3  # only probes draft
 
 
-@struct.dataclass
-class RightOracle(DrafterProposer):
-    """Always proposes slot 0's reference continuation (``seq``: prompt + reference), read at the drafter ring's
-    length (the anchor's position)."""
+def oracle_for(target, references: list[list[int]], accept: list[list[int]], block_limit: int | None = None) -> OracleProposer:
+    """An ``OracleProposer`` whose row (slot) b proposes ``references[b]`` (its generated tokens), right for
+    ``accept[b][r]`` proposals in the row's round r, then wrong; ``block_limit``: as a drafter's block."""
+    width = max(map(len, references))
+    ref = np.zeros((len(references), width), np.int32)
+    for b, row in enumerate(references):
+        ref[b, : len(row)] = row
+    return OracleProposer(reference=jnp.asarray(ref), accept=jnp.asarray(accept, jnp.int32),
+                          vocab_size=target.config.vocab_size, block_limit=block_limit)  # fmt: skip
 
-    seq: jax.Array = None
 
-    def propose(self, target, cache, anchor, counts, keys, sampling, num):
-        pos = cache.lengths[:, None] + 1 + jnp.arange(num)[None, :]
-        tokens = jnp.take_along_axis(self.seq[None, :].repeat(pos.shape[0], 0), jnp.clip(pos, 0, self.seq.shape[0] - 1), 1)
-        return DraftOutput(tokens=tokens, cand_ids=tokens[..., None], q=jnp.ones((*tokens.shape, 1), jnp.float32))
+def test_engine_runs_an_oracle_proposer_as_is(llama):
+    """The engine drives any proposer through the protocol: an ``OracleProposer`` (state: a round counter per
+    row; proposals read at the row's token count, which the engine keeps on the device) makes rounds commit
+    1…5 tokens by schedule, and the output still equals ``generate``'s."""
+    prompts, budgets = PROMPTS[:3], [20, 9, 15]
+    ref = [generate(llama, [p], b, stop_ids=[]).token_ids[0] for p, b in zip(prompts, budgets)]
+    accept = [[0, 4, 1, 3, 2], [4, 4, 0, 2, 1], [1, 0, 3, 4, 2]]
+    core = EngineCore(llama, None, num_slots=3, context_length=64, stop_ids=[], verify=5,
+                      proposer=oracle_for(llama, ref, accept))  # fmt: skip
+    assert core.max_verify == 5  # (no drafter: the oracle has no block limit; the fixed length is 5)
+    got, reasons, taus = run_engine(core, prompts, budgets)
+    assert got == ref and reasons == ["length"] * 3
+    assert max(taus) == 5 and {1, 2, 3, 4} <= set(taus)
 
 
 def test_adaptive_engine_greedy_probes_peek(llama):
@@ -214,7 +229,7 @@ def test_adaptive_engine_greedy_probes_peek(llama):
 
     ref = generate(llama, [PROMPTS[0]], 40, stop_ids=[]).token_ids[0]
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
-    oracle = RightOracle(drafter, seq=jnp.asarray(PROMPTS[0] + ref, jnp.int32))
+    oracle = oracle_for(llama, [ref], [[99]], block_limit=4)  # always right, a block of 4 like the drafter's
     dear = {1: {1: 1.0, 2: 1.9, 4: 2.2}}  # at the prior (a coin flip per slot) T = 1 pays best
     core = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[], proposer=oracle, verify_costs=dear)
     out, seen = decode_one(core, PROMPTS[0], 40)

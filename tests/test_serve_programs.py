@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from conftest import missing_reference
 
-from dspine_jax.decoding.autoregressive import generate
 from dspine_jax import init_drafter
+from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.serve import engine as eng
 from dspine_jax.serve import programs as prog
 from dspine_jax.serve.engine import EngineCore, SlotParams

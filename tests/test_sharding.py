@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_tiny_hf_model
+from dspine_jax.pallas import dispatch
 from jax.sharding import PartitionSpec as P
 from test_hybrid import make_tiny_hybrid
 
@@ -20,7 +21,6 @@ from dspine_jax.drafters.io import init_drafter
 from dspine_jax.models.target import load_target
 from dspine_jax.parallel.mesh import make_mesh, use_mesh
 from dspine_jax.parallel.sharding import describe, shard_drafter, shard_target
-from dspine_jax.pallas import dispatch
 
 MAX_NEW = 12
 PROMPTS = [np.random.default_rng(i).integers(3, 128, n).tolist() for i, n in enumerate([5, 11])]

@@ -17,7 +17,9 @@ import pytest
 from conftest import make_tiny_hf_model, missing_reference
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.speculative import OracleProposer, prefill, speculative_generate, speculative_loop
+from dspine_jax.decoding.decoder import run_segment
+from dspine_jax.decoding.proposers import OracleProposer
+from dspine_jax.decoding.speculative import prefill, speculative_generate
 from dspine_jax.drafters.io import init_drafter
 from dspine_jax.models.target import load_target
 
@@ -134,13 +136,13 @@ def test_no_recompile_on_same_shapes(targets, references):
     target = targets["llama"]
     proposer = oracle(references["llama"], every_length_schedule(), target.config.vocab_size)
     speculative_generate(target, proposer, PROMPTS, MAX_NEW, stop_ids=[], block_size=VERIFY)
-    if not hasattr(speculative_loop, "_cache_size"):
+    if not hasattr(run_segment, "_cache_size"):
         missing_reference("the jit cache size (jitted functions' _cache_size) in this JAX")
-    sizes = (prefill._cache_size(), speculative_loop._cache_size())
+    sizes = (prefill._cache_size(), run_segment._cache_size())
     other = [p[::-1] for p in PROMPTS]  # same lengths, other tokens
     speculative_generate(target, proposer, other, MAX_NEW - 7, stop_ids=[5, 6, 7], seed=11, block_size=VERIFY)
     speculative_generate(target, proposer, other, MAX_NEW, temperature=0.0, stop_ids=None, seed=2, block_size=VERIFY)
-    assert (prefill._cache_size(), speculative_loop._cache_size()) == sizes
+    assert (prefill._cache_size(), run_segment._cache_size()) == sizes
 
 
 def test_capacity_limit_mid_block(targets):

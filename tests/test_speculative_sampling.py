@@ -32,19 +32,17 @@ from drafter_helpers import append, forward, tapped_features, with_random_inject
 from flax import struct
 from scipy import stats
 
-from dspine_jax.models.sampling import Sampling, sampling_probs
-from dspine_jax.decoding.speculative import (
-    DrafterProposer,
-    OracleProposer,
-    accept_sampling,
-    generate_impl,
-    speculative_generate,
-)
+from dspine_jax.decoding.accept import accept_sampling
+from dspine_jax.decoding.proposers import OracleProposer
+from dspine_jax.decoding.speculative import generate_impl, speculative_generate
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.drafter import DraftOutput
 from dspine_jax.drafters.dspine import SPINE
 from dspine_jax.drafters.io import init_drafter, with_draft_vocab
+from dspine_jax.drafters.proposer import DrafterProposer
+from dspine_jax.drafters.ring import init_draft_cache
 from dspine_jax.models import target as tgt
+from dspine_jax.models.sampling import Sampling, sampling_probs
 from dspine_jax.models.target import load_target
 
 ALPHA = 1e-4  # per-check false-failure probability
@@ -160,7 +158,7 @@ def sample_first_tokens(target, proposer, temperature: float, top_p: float, top_
     outs, accepted = [], []
     for chunk in range(SAMPLES // CHUNK):
         res = run(jax.random.split(jax.random.key(100 + chunk), CHUNK))
-        assert (np.asarray(res.counts) == N_TOKENS).all()
+        assert (np.asarray(res.written) == N_TOKENS).all()
         outs.append(np.asarray(res.tokens)[:, 0, :N_TOKENS])
         accepted.append(np.asarray(res.accepted)[:, 0, 0])
     return np.concatenate(outs), np.concatenate(accepted)
@@ -177,7 +175,7 @@ def make_drafter(target, kind: str):
         drafter = with_random_injection(drafter, seed=7, scale=4.0)
         # The point of the DSpine case: q at slot i ≥ 2 must depend on the token chosen at slot i-1.
         tapped = tapped_features(target, [PROMPT], drafter.config.target_layer_ids)
-        cache = append(drafter, D.init_draft_cache(drafter, 1, 16), tapped, jnp.array([len(PROMPT)]))
+        cache = append(drafter, init_draft_cache(drafter, 1, 16), tapped, jnp.array([len(PROMPT)]))
         anchor = jnp.array([PROMPT[-1]], jnp.int32)
         fwd = forward(drafter, target, cache, D.block_tokens(drafter, anchor))
         cand = jax.lax.top_k(D.unary_logits(drafter, target, fwd.hidden[:, 1:]), 4)[1].astype(jnp.int32)

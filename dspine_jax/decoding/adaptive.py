@@ -4,7 +4,7 @@ never paid for when it does not bring tokens.
 Two parts, both small:
 
 * **Cost model**: seconds per round at each candidate ``T`` on this device, ``T = 1``
-  being a plain decode step without drafting. ``speculative.measure_verify_costs`` measures it once per
+  being a plain decode step without drafting. ``decoder.Calibration`` measures it once per
   (device, target, proposer, batch bucket) by running the real loop pinned to each ``T``;
   ``load_costs`` / ``store_costs`` keep it in ``<cache>/verify_costs.json``. While decoding,
   ``CostEstimate`` refines it with the rounds actually run (a short calibration is noisy on a shared
@@ -20,7 +20,7 @@ Two parts, both small:
   ``argmax_T Σ_running E_b(T) / cost(T)``. ``T = 1`` stops drafting; after ``wait`` such rounds a
   **probe** (one round at ``PROBE_LENGTH``) refreshes the estimates, and every probe that brings no
   accepted token doubles the row's wait (up to ``MAX_WAIT``), so a useless drafter costs almost nothing.
-  Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``speculative.policy_round``):
+  Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``round.speculative_round(peek=True)``):
   a plain round plus a one-token draft, recorded as the round at ``PROBE_LENGTH`` it stands for, so a
   probe costs a draft rather than a wider verify.
 
@@ -326,10 +326,3 @@ class CostEstimate:
         costs = {t: refined[t] if self.samples[t] else p for t, p in self.prior.items()}
         return costs, {t: self.timed(t) for t in self.prior}
 
-
-def fastest_seconds_per_round(seconds: Sequence[float], rounds: Sequence[int]) -> float:
-    """The calibration's statistic: the fastest of several timed runs, per round. A busy machine only adds time,
-    and the two errors are not alike: a length measured too cheap is run, timed and corrected (``CostEstimate``,
-    ``explore``), while one measured too dear is never chosen, so nothing ever times it again (seen: a
-    calibration during a busy moment priced drafted rounds at 2.4–3.3× a plain step; 1.3–1.9× re-measured)."""
-    return float(min(s / max(r, 1) for s, r in zip(seconds, rounds)))

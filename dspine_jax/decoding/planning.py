@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspine_jax.models.sampling import validate_sampling
 from dspine_jax.models import hub
+from dspine_jax.models.sampling import validate_sampling
 from dspine_jax.models.target import Target
 
 PROMPT_BUCKET = 32

@@ -1,5 +1,12 @@
 """Drafter ``config.json`` (z-lab DFlash / SpecForge DSpine layout) ↔ a frozen, hashable ``DrafterConfig``.
 
+``DrafterConfig`` holds what every drafter kind has (the Qwen3 backbone, the block, the taps, the decode head's
+candidate count); a kind with fields of its own subclasses it (``dspine.DSpineConfig``, ``dflash2.DFlash2Config``)
+and names that class as its ``config_class``. Every config checks itself on construction (``validate``, also
+through ``dataclasses.replace``), so no inconsistent config reaches a jitted program. This module parses and
+writes the shared keys and keeps the kind registry; each kind reads and writes its own (``read_config`` /
+``write_config`` on ``drafter.DFlash`` and subclasses).
+
 Both layouts are a Qwen3 ``config.json`` (``hidden_size``, ``num_attention_heads``, ``head_dim``, …) plus:
 
 * DFlash (z-lab ``dflash``): top-level ``block_size``, ``num_target_layers`` and
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -70,29 +79,44 @@ def _kind_of(cfg: dict[str, Any]) -> Any:
             return kind
     return _KINDS["dflash"]
 
-# SpecForge's DSpineConfig defaults; the training-only fields are kept so a saved config round-trips.
-DSPINE_DEFAULTS: dict[str, Any] = {
-    "transfer_rank": 1024,
-    "message_size": 512,
-    "top_k": 16,
-    "ce_weight": 0.1,
-    "alignment_weight": 0.5,
-    "alignment_warmup_steps": 146,
-    "replacement_layers": 3,
-    "replacement_probability": 0.5,
-    "replacement_hold_ratio": 1 / 6,
-    "replacement_end_ratio": 1 / 3,
-    "candidate_mass_threshold": 1e-4,
-}
-
 
 class DrafterConfigError(ValueError):
     """A drafter config.json that is malformed or describes something this package does not run."""
 
 
+def config_check(condition: bool, message: str) -> None:
+    """Raise ``DrafterConfigError(message)`` unless ``condition`` (the ``validate`` methods' one check)."""
+    if not condition:
+        raise DrafterConfigError(message)
+
+
+def config_check_numbers(config: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (), where: str = "drafter") -> None:
+    """``config``'s fields ``ints`` must be integers (not bools: they size arrays) and ``floats`` finite numbers."""
+    # ``type(...) is`` first: the common case skips the (slow) abstract-class checks and the message.
+    for name in ints:
+        value = getattr(config, name)
+        if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise DrafterConfigError(f"{where} {name} must be an integer, got {value!r}")
+    for name in floats:
+        value = getattr(config, name)
+        if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)) or not math.isfinite(value):
+            raise DrafterConfigError(f"{where} {name} must be a finite number, got {value!r}")
+
+
+# config.json's names for the fields whose names differ, so an error names the key a user would edit.
+_JSON_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+# DrafterConfig's sizes (each >= 1), its other integer fields and its float fields, checked by ``validate``.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+_SHARED_INTS = (*_SIZES, "block_size", "mask_token_id", "num_target_layers", "top_k", "draft_vocab_size")
+_SHARED_FLOATS = ("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """Everything static about a drafter. Hashable, so it can ride as a static jit argument."""
+    """Everything static about a drafter that every kind has. Hashable, so it can ride as a static jit argument.
+
+    A kind with fields of its own subclasses this (keyword-only fields, ``kw_only=True``) and extends ``validate``.
+    """
 
     kind: str  # a registered drafter kind: "dflash", "dspine", …
     vocab_size: int
@@ -107,17 +131,12 @@ class DrafterConfig:
     block_size: int  # anchor + block_size-1 proposals
     mask_token_id: int
     target_layer_ids: tuple[int, ...]  # HF numbering: layer i's output = hidden_states[i+1]
-    num_target_layers: int
+    num_target_layers: int  # 0: not recorded (the ids are then only checked against the target at load)
     layer_windows: tuple[int, ...]  # per drafter layer: 0 = unwindowed, w > 0 = query-key distance < w
     layer_causal: tuple[bool, ...]  # per drafter layer: causal inside the block?
     # Decode head: C candidates per slot. DSpine: dspine_config.top_k. DFlash2: selector_top_k. DFlash: the whole vocabulary
     # (the draft distribution is then the plain softmax over V, as in z-lab's sampler).
     top_k: int
-    transfer_rank: int = 0  # R (DSpine only)
-    message_size: int = 0  # M (DSpine only)
-    conv_kernel_size: int = 0  # K of the grouped dynamic causal convolutions (DFlash2 only)
-    conv_group_size: int = 0  # channels per dynamic-kernel group: H / conv_group_size groups (DFlash2 only)
-    selector_rank: int = 0  # R of the candidate selector's codebooks (DFlash2 only; C = top_k)
     # Draft vocabulary (EAGLE-3's reduced head; any kind): the drafter proposes only these Vd target tokens
     # (the ``d2t`` tensor names them), so its unary logits cost Vd/V of the target head. 0: the whole vocabulary.
     draft_vocab_size: int = 0
@@ -128,6 +147,66 @@ class DrafterConfig:
     # The parsed config.json (sorted-keys JSON) so save_drafter writes back every key we do not model.
     raw_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # Checked on every construction, ``dataclasses.replace`` included: a config is only ever valid.
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``DrafterConfigError`` naming the first inconsistent value. Subclasses extend it (super first).
+
+        The kind must be registered and its ``config_class`` must be this class or a base of it (a kind's
+        fields are read from the config: a DFlash2 drafter cannot run on a config without its convolution).
+        """
+        kind = _KINDS.get(self.kind)
+        config_check(kind is not None, f"drafter kind {self.kind!r} is not registered; known kinds: {', '.join(_KINDS)}")
+        config_check(
+            isinstance(self, kind.config_class),
+            f"a {self.kind!r} drafter needs a {kind.config_class.__name__}, got a {type(self).__name__}",
+        )
+        config_check_numbers(self, _SHARED_INTS, _SHARED_FLOATS)
+        for name in ("target_layer_ids", "layer_windows", "layer_causal"):
+            # A list would only fail later, hashing the config as a static jit argument.
+            config_check(isinstance(getattr(self, name), tuple), f"drafter {name} must be a tuple, got {getattr(self, name)!r}")
+        for name in _SIZES:
+            config_check(getattr(self, name) >= 1, f"drafter {_JSON_NAMES.get(name, name)}={getattr(self, name)} must be >= 1")
+        config_check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}",
+        )
+        config_check(self.rms_norm_eps > 0 and self.rope_theta > 0,
+                     f"drafter rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")  # fmt: skip
+        config_check(
+            self.block_size >= 2, f"drafter block_size={self.block_size}: a block needs an anchor and at least one proposal"
+        )
+        config_check(
+            0 <= self.mask_token_id < self.vocab_size,
+            f"drafter mask_token_id={self.mask_token_id} is outside its vocabulary [0, {self.vocab_size})",
+        )
+        config_check(bool(self.target_layer_ids), "drafter target_layer_ids is empty")
+        config_check(self.num_target_layers >= 0, f"drafter num_target_layers={self.num_target_layers} must be >= 0")
+        limit = self.num_target_layers or None
+        bad = [i for i in self.target_layer_ids if i < 0 or (limit is not None and i >= limit)]
+        config_check(
+            not bad,
+            f"drafter target_layer_ids {list(self.target_layer_ids)} name layers {bad} "
+            + (f"outside the {limit}-layer target (num_target_layers)" if limit else "below 0"),
+        )
+        config_check(
+            len(self.layer_windows) == len(self.layer_causal) == self.num_layers,
+            f"drafter has {len(self.layer_windows)} layer windows and {len(self.layer_causal)} causality flags "
+            f"for num_hidden_layers={self.num_layers}",
+        )
+        config_check(min(self.layer_windows) >= 0, f"drafter layer windows {list(self.layer_windows)} must be >= 0")
+        config_check(1 <= self.top_k <= self.vocab_size, f"drafter top_k={self.top_k} must be in [1, vocab_size={self.vocab_size}]")
+        # A draft vocabulary must hold every candidate (a DFlash drafter's C = V means "all of it").
+        dv = self.draft_vocab_size
+        config_check(
+            0 <= dv <= self.vocab_size and not (dv and self.top_k < self.vocab_size and self.top_k > dv),
+            f"draft_vocab_size={dv} must be in [top_k={self.top_k}, vocab_size={self.vocab_size}] (0: the whole vocabulary)",
+        )
+        config_check(self.final_logit_softcapping >= 0,
+                     f"drafter final_logit_softcapping={self.final_logit_softcapping} must be >= 0 (0: none)")  # fmt: skip
+
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
@@ -136,27 +215,18 @@ class DrafterConfig:
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    @property
-    def dspine_settings(self) -> dict[str, Any]:
-        """The full ``dspine_config`` dict (training knobs included) as it will be saved."""
-        raw = json.loads(self.raw_json).get("dspine_config") or {}
-        out = {**DSPINE_DEFAULTS, **raw}
-        out.update(transfer_rank=self.transfer_rank, message_size=self.message_size, top_k=self.top_k)
-        return out
 
-
-def with_dspine_settings(config: DrafterConfig, **updates: Any) -> DrafterConfig:
-    """``config`` with training-only ``dspine_config`` knobs replaced (e.g. the ``alignment_warmup_steps``
-    a run really used), so a saved checkpoint records them. The modelled fields (rank, width, top-k)
-    cannot change this way: they fix tensor shapes."""
-    unknown = set(updates) - set(DSPINE_DEFAULTS)
-    fixed = set(updates) & {"transfer_rank", "message_size", "top_k"}
-    if config.kind != "dspine" or unknown or fixed:
-        bad = sorted(unknown | fixed) or sorted(updates)
-        raise DrafterConfigError(f"cannot set dspine_config {bad} on this drafter")
+def config_as_kind(config: DrafterConfig, kind: str, **changes: Any) -> DrafterConfig:
+    """``config``'s shared fields as a ``kind`` drafter's config (that kind's own class), with ``changes`` (which
+    must supply the fields ``kind`` adds): e.g. a DSpine drafter's backbone run as a DFlash one. The old kind's
+    ``config_section`` is dropped from the raw keys, so a saved copy is not read back as the old kind."""
     raw = json.loads(config.raw_json)
-    raw["dspine_config"] = {**(raw.get("dspine_config") or {}), **updates}
-    return dataclasses.replace(config, raw_json=json.dumps(raw, sort_keys=True))
+    section = drafter_kind(config.kind).config_section
+    if kind != config.kind and section:
+        raw.pop(section, None)
+    shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(DrafterConfig)}
+    fields = {**shared, "kind": kind, "raw_json": json.dumps(raw, sort_keys=True), **changes}
+    return drafter_kind(kind).config_class(**fields)
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -181,6 +251,7 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 
 
 def config_int(cfg: dict[str, Any], key: str, where: str = "config.json") -> int:
+    """``cfg[key]`` as an int: missing, null or not integral raises (the range is ``validate``'s business)."""
     if key not in cfg or cfg[key] is None:
         raise DrafterConfigError(f"drafter {where} is missing {key!r}")
     value = cfg[key]
@@ -189,17 +260,28 @@ def config_int(cfg: dict[str, Any], key: str, where: str = "config.json") -> int
     return int(value)
 
 
+def config_float(cfg: dict[str, Any], key: str, where: str = "config.json") -> float:
+    """``cfg[key]`` as a finite float: missing, null, not a number or not finite raises."""
+    if key not in cfg or cfg[key] is None:
+        raise DrafterConfigError(f"drafter {where} is missing {key!r}")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DrafterConfigError(f"drafter {where} {key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
-    """Parse a z-lab DFlash or SpecForge DSpine ``config.json`` dict."""
+    """Parse a z-lab DFlash or SpecForge DSpine ``config.json`` dict into its kind's ``config_class``.
+
+    Here: the file's shape (missing keys, unsupported options, layer types); the values' consistency is
+    checked by the config's own ``validate`` as it is built."""
     dflash_cfg = cfg.get("dflash_config") or {}
     kind = _kind_of(cfg)
 
     hidden = config_int(cfg, "hidden_size")
     heads = config_int(cfg, "num_attention_heads")
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    if heads % kv_heads:
-        raise DrafterConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads > 0 else 0))  # validate rejects heads < 1
     num_layers = config_int(cfg, "num_hidden_layers")
     if cfg.get("attention_bias"):
         raise DrafterConfigError("drafters with attention_bias=true are not supported (DFlash/DSpine have no biases)")
@@ -211,8 +293,6 @@ def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
         raise DrafterConfigError(f"drafter attention mode(s) {modes} not supported (only gqa/mha)")
 
     block_size = int(dflash_cfg.get("block_size", cfg.get("block_size", 16)))
-    if block_size < 2:
-        raise DrafterConfigError(f"drafter block_size={block_size}: a block needs an anchor and at least one proposal")
     mask_token_id = dflash_cfg.get("mask_token_id", cfg.get("mask_token_id"))
     if mask_token_id is None:
         raise DrafterConfigError("drafter config.json has no dflash_config.mask_token_id")
@@ -225,8 +305,6 @@ def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
             )
         ids = build_target_layer_ids(num_target_layers, num_layers)
     target_layer_ids = tuple(int(i) for i in ids)
-    if not target_layer_ids:
-        raise DrafterConfigError("drafter target_layer_ids is empty")
 
     layer_types = list(cfg.get("layer_types") or ["full_attention"] * num_layers)
     if len(layer_types) != num_layers:
@@ -272,15 +350,9 @@ def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
         final_logit_softcapping=float(softcap or 0.0),
         raw_json=json.dumps(cfg, sort_keys=True),
     )
-    fields = kind.configure(cfg, fields)
     draft_vocab = int(cfg.get("draft_vocab_size") or 0)
-    if draft_vocab == vocab:
-        draft_vocab = 0  # EAGLE-3 configs name the full size when nothing is left out
-    if not 0 <= draft_vocab <= vocab or (draft_vocab and fields["top_k"] < vocab and fields["top_k"] > draft_vocab):
-        raise DrafterConfigError(
-            f"draft_vocab_size={draft_vocab} must be in [top_k={fields['top_k']}, vocab_size={vocab}] (0: the whole vocabulary)"
-        )
-    return DrafterConfig(**fields, draft_vocab_size=draft_vocab)
+    fields["draft_vocab_size"] = 0 if draft_vocab == vocab else draft_vocab  # EAGLE-3 names the full size when nothing is left out
+    return kind.config_class(**kind.read_config(cfg, fields))
 
 
 def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:

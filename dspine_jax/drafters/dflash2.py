@@ -38,14 +38,17 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax.models.sampling import Sampling
-from dspine_jax.drafters.config import DrafterConfig, DrafterConfigError, config_int, register_drafter_kind
+from dspine_jax.drafters.config import (
+    DrafterConfig,
+    config_check,
+    config_check_numbers,
+    config_int,
+    register_drafter_kind,
+)
 from dspine_jax.drafters.drafter import (
     BlockForward,
     Candidates,
     DFlash,
-    Drafter,
-    DrafterParams,
     DraftOutput,
     choose,
     slot_keys,
@@ -54,6 +57,8 @@ from dspine_jax.drafters.drafter import (
     vocab_ids,
 )
 from dspine_jax.drafters.dspine import DSpine
+from dspine_jax.drafters.params import Drafter, DrafterParams, with_kind_weights
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import Target
 from dspine_jax.models.weights import CheckpointError, take
 
@@ -61,6 +66,27 @@ from dspine_jax.models.weights import CheckpointError, take
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # Fresh drafters (``init_drafter``): z-lab ships no defaults (its config must name every key); ours.
 DEFAULT_KERNEL, DEFAULT_GROUP, DEFAULT_RANK = 4, 64, 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlash2Config(DrafterConfig):
+    """A DFlash2 drafter's config: the shared fields plus the convolutions' and the selector's sizes
+    (``selector_top_k`` is the shared ``top_k``)."""
+
+    conv_kernel_size: int  # K of the grouped dynamic causal convolutions
+    conv_group_size: int  # channels per dynamic-kernel group: H / conv_group_size groups
+    selector_rank: int  # R of the candidate selector's codebooks (C = top_k)
+
+    def validate(self) -> None:
+        super().validate()
+        config_check_numbers(self, ("conv_kernel_size", "conv_group_size", "selector_rank"), where="DFlash2")
+        config_check(self.conv_kernel_size >= 1, f"DFlash2 conv_kernel_size={self.conv_kernel_size} must be >= 1")
+        config_check(
+            self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
+            f"DFlash2 conv_group_size={self.conv_group_size} must divide hidden_size={self.hidden_size} "
+            "(the channels split into equal kernel groups)",
+        )
+        config_check(self.selector_rank >= 1, f"DFlash2 selector_rank={self.selector_rank} must be >= 1")
 
 
 @struct.dataclass
@@ -82,15 +108,11 @@ class Selector:
 
 @struct.dataclass
 class DFlash2Params(DrafterParams):
+    """A DFlash2 drafter's weights: the shared backbone plus its convolutions and candidate selector."""
+
     attention_convs: tuple[DynamicConv, ...] = ()  # L, around each layer's attention
     mlp_convs: tuple[DynamicConv, ...] = ()  # L, around each layer's MLP
     selector: Selector | None = None
-
-
-def with_dflash2_weights(backbone: DrafterParams, **weights: Any) -> DFlash2Params:
-    """The backbone ``DrafterParams`` as ``DFlash2Params`` with this kind's ``weights``."""
-    shared = {f.name: getattr(backbone, f.name) for f in dataclasses.fields(DrafterParams)}
-    return DFlash2Params(**shared, **weights)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,6 +156,7 @@ class DFlash2(DFlash):
 
     name = "dflash2"
     architecture = "DFlash2DraftModel"
+    config_class = DFlash2Config
     init_options = ("conv_kernel_size", "conv_group_size", "selector_rank")
 
     # --- config.json ---
@@ -144,21 +167,13 @@ class DFlash2(DFlash):
         section = cfg.get("dflash_config") or {}
         return {key: section.get(key, cfg.get(key)) for key in DFLASH2_KEYS}
 
-    def configure(self, cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    def read_config(self, cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         """DFlash's backbone fields (in-block causality as configured) plus the convolution and selector."""
         settings = self.settings(cfg)
         kernel, group, rank, top_k = (config_int(settings, key, "config (dflash_config or top level)") for key in DFLASH2_KEYS)
-        hidden, vocab = fields["hidden_size"], fields["vocab_size"]
-        if kernel < 1 or group < 1 or hidden % group:
-            raise DrafterConfigError(
-                f"DFlash2 needs conv_kernel_size >= 1 and a conv_group_size dividing hidden_size={hidden} "
-                f"(got {kernel}, {group})"
-            )
-        if rank < 1 or not 1 <= top_k <= vocab:
-            raise DrafterConfigError(f"DFlash2 needs selector_rank >= 1 and selector_top_k in [1, vocab_size] (got {rank}, {top_k})")
         return {**fields, "top_k": top_k, "conv_kernel_size": kernel, "conv_group_size": group, "selector_rank": rank}
 
-    def write_config(self, config: DrafterConfig, cfg: dict[str, Any]) -> None:
+    def write_config(self, config: DFlash2Config, cfg: dict[str, Any]) -> None:
         """DFlash's keys, and this kind's in ``dflash_config`` (where ``_draft_value`` looks first); a
         top-level copy the file already had is kept in step."""
         super().write_config(config, cfg)
@@ -184,12 +199,12 @@ class DFlash2(DFlash):
     # --- weights ---
 
     @staticmethod
-    def _shapes(config: DrafterConfig) -> tuple[int, int, int, int, int]:
+    def _shapes(config: DFlash2Config) -> tuple[int, int, int, int, int]:
         """K, G, H, R, V."""
         h = config.hidden_size
         return config.conv_kernel_size, h // config.conv_group_size, h, config.selector_rank, config.vocab_size
 
-    def load_params(self, tensors: dict, config: DrafterConfig, target: Target, cast: Callable, backbone: DrafterParams) -> DFlash2Params:
+    def load_params(self, tensors: dict, config: DFlash2Config, target: Target, cast: Callable, backbone: DrafterParams) -> DFlash2Params:
         k, g, h, r, v = self._shapes(config)
 
         def conv(prefix: str) -> DynamicConv:
@@ -205,7 +220,8 @@ class DFlash2(DFlash):
             return cast(take(tensors, plain if plain in tensors else f"{plain}.weight", (v, r)))
 
         n = config.num_layers
-        return with_dflash2_weights(
+        return with_kind_weights(
+            DFlash2Params,
             backbone,
             attention_convs=tuple(conv(f"layers.{i}.attention_conv") for i in range(n)),
             mlp_convs=tuple(conv(f"layers.{i}.mlp_conv") for i in range(n)),
@@ -216,7 +232,7 @@ class DFlash2(DFlash):
             ),
         )
 
-    def params_tensors(self, params: DrafterParams, config: DrafterConfig, host: Callable) -> dict[str, Any]:
+    def params_tensors(self, params: DrafterParams, config: DFlash2Config, host: Callable) -> dict[str, Any]:
         """z-lab's file layout: codebooks without ``.weight`` (what its ``from_pretrained`` expects)."""
         if not isinstance(params, DFlash2Params) or params.selector is None:
             raise CheckpointError("a dflash2 drafter's params must be DFlash2Params with a selector")
@@ -230,7 +246,7 @@ class DFlash2(DFlash):
         out["candidate_selector.hidden_projection.weight"] = host(params.selector.hidden, True)
         return out
 
-    def init_params(self, config: DrafterConfig, target: Target, keys: Any, dtype: jnp.dtype, backbone: DrafterParams) -> DFlash2Params:
+    def init_params(self, config: DFlash2Config, target: Target, keys: Any, dtype: jnp.dtype, backbone: DrafterParams) -> DFlash2Params:
         """Identity convolutions (``base[:, 0] = 1``, the rest and the projections zero: a fresh DFlash2's
         backbone computes exactly DFlash's; z-lab leaves ``base_kernel`` uninitialised) and the selector at
         HF's Embedding / Linear init N(0, initializer_range) — small, not zero, so its bilinear score has
@@ -245,7 +261,8 @@ class DFlash2(DFlash):
             return DynamicConv(base=jnp.zeros((2, k, h), dtype).at[:, 0].set(1), projection=jnp.zeros((h, 2 * k * g), dtype))
 
         n = config.num_layers
-        return with_dflash2_weights(
+        return with_kind_weights(
+            DFlash2Params,
             backbone,
             attention_convs=tuple(identity() for _ in range(n)),
             mlp_convs=tuple(identity() for _ in range(n)),

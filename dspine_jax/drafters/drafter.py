@@ -1,4 +1,4 @@
-"""Drafters: the draft context cache, the backbone every kind shares, the kind registry's base ``DFlash``.
+"""Drafters: the drafting API, the backbone every kind shares, the kind registry's base ``DFlash``.
 
 A drafter *kind* is a registered class (``drafter_config.register_drafter_kind``) named by
 ``config.kind``; ``drafter.kind`` is its instance and the functions below dispatch to it. ``DFlash``
@@ -14,7 +14,8 @@ Drafting API (what the speculative loop calls)
 ==============================================
 
 The drafter reads the target's tapped hidden states of *committed* tokens through a per-row context
-cache, and drafts a whole block in one forward::
+cache (``DraftCache``, a ring per layer: ``ring.py``, which also holds ``init_draft_cache`` and
+``append_context``), and drafts a whole block in one forward::
 
     cache = init_draft_cache(drafter, batch, capacity)                  # empty, lengths = 0
     cache = append_context(drafter, cache, tapped, num_new)             # tapped [n, B, T, H], num_new [B]
@@ -56,21 +57,6 @@ cache, and drafts a whole block in one forward::
   last axis indexes those ids (``vocab_ids`` maps back), so candidates, proposals and q's support lie in the
   vocabulary (a DFlash drafter's C is then Vd). Verification is unchanged: output stays exact / lossless.
 
-Draft context cache
-===================
-
-``DraftCache.k/v`` (L × ``[B, K, S, D]``, heads-major) hold, per drafter layer, the context keys (after
-``k_norm`` and RoPE at their absolute positions) and values computed from ``ctx = hidden_norm(fc(concat(taps)))``.
-It is a **ring buffer**: position ``p`` lives in slot ``p mod S``; slot positions are derived from
-``lengths`` (no stored positions), and a slot whose position is negative is empty. ``S`` is the capacity; when every
-layer has a sliding window ``W`` the ring only needs ``W - 1`` slots (the anchor at ``start`` sees
-``start-W+1 …``), which is what ``init_draft_cache`` allocates, so an 8192-window drafter costs 8191 slots
-however long the sequence. With unwindowed layers the capacity must cover the whole sequence; if it
-does not, the ring silently acts as a window of ``S`` (keys older than ``S`` are overwritten).
-With ``kv_cache_dtype="int8"`` (the target's, passed by ``DrafterProposer.init``) each layer's ring is a
-``cache.Int8KV`` (int8 + a float32 scale per row, head and slot), quantised in ``append_context`` and
-dequantised per layer just before draft attention (the Pallas kernels read float rings).
-
 Everything here is functional. Parameters are ``[in, out]`` (torch checkpoints are ``[out, in]``;
 drafter_io.py transposes). Letters follow layers.py: B batch, T block, S key slots, H, N/K heads, D,
 F, V, L layers, C candidates, R transfer rank, M message width; P = T - 1 proposal slots.
@@ -86,98 +72,13 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax.models.sampling import Sampling, categorical_rows, process_rows, split_rows
-from dspine_jax.drafters.config import DrafterConfig, drafter_kind, register_drafter_kind
-from dspine_jax.models.cache import (
-    LENGTHS_AXES, Int8KV, dequantize_kv, kv_zeros, quantize_kv, resize_slots, sharded_zeros,
-)
+from dspine_jax.drafters.config import DrafterConfig, register_drafter_kind
+from dspine_jax.drafters.params import Attend, Drafter, DrafterParams
+from dspine_jax.drafters.ring import DraftCache, cache_attention
 from dspine_jax.models import quant
 from dspine_jax.models.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from dspine_jax.models.sampling import Sampling, categorical_rows, process_rows, split_rows
 from dspine_jax.models.target import Target, lm_logits
-from dspine_jax.parallel.mesh import per_device, weight
-from dspine_jax.pallas import draft_attention as _attention_kernel
-
-# ----------------------------------------------------------------------------------------------
-# Parameters
-
-
-@struct.dataclass
-class DrafterLayer:
-    """One backbone layer's weights. Layers are kept as a tuple, not stacked: the layer loop is unrolled
-    and each layer reads its own buffers (slicing a stacked weight makes XLA:CPU copy it)."""
-
-    input_norm: Array  # [H]
-    q: Array = weight(None, "heads", group="attention")  # [H, N*D]
-    k: Array = weight(None, "kv_heads", group="attention")  # [H, K*D]
-    v: Array = weight(None, "kv_heads", group="attention")  # [H, K*D]
-    o: Array = weight("heads", None, group="attention")  # [N*D, H]
-    q_norm: Array = weight()  # [D]
-    k_norm: Array = weight()  # [D]
-    post_norm: Array = weight()  # [H]
-    gate: Array = weight(None, "mlp")  # [H, F]
-    up: Array = weight(None, "mlp")  # [H, F]
-    down: Array = weight("mlp", None)  # [F, H]
-
-    def for_mesh(self, config: DrafterConfig, model_shards: int) -> tuple[DrafterLayer, dict[str, bool]]:
-        """Heads split over ``model_shards`` only when query and KV heads both divide (all or none)."""
-        split = config.num_heads % model_shards == 0 and config.num_kv_heads % model_shards == 0
-        return self, {"attention": split}
-
-
-@struct.dataclass
-class DrafterParams:
-    """The backbone every kind shares, plus DSpine's injection (``dspine.Injection``) and transfer codes.
-    A kind with other weights of its own subclasses this (its loader and initialiser build it)."""
-
-    fc: Array  # [n_taps*H, H]
-    hidden_norm: Array  # [H]
-    layers: tuple[DrafterLayer, ...]  # L layers
-    norm: Array  # [H]
-    injection: Any = None  # dspine.Injection (DSpine only)
-    transfer_codes: Array | None = None  # [V, R] DSpine only; fixed, derived from the target's LM head
-    # Draft vocabulary (config.draft_vocab_size > 0): its target ids [Vd] int32, ascending, and the target LM
-    # head's columns for them [H, Vd] (derived from the target at load, like the codes; never trained or saved).
-    draft_ids: Array | None = None
-    draft_head: Any = None  # Array or quant.Int8Weight, as the target's head
-
-
-@struct.dataclass
-class Drafter:
-    """A drafter: params (pytree) + static config. Pass it straight into ``jax.jit``."""
-
-    params: DrafterParams
-    config: DrafterConfig = struct.field(pytree_node=False)
-
-    @property
-    def kind(self) -> DFlash:
-        """The registered kind (``config.kind``) whose methods run this drafter."""
-        return drafter_kind(self.config.kind)
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.params.fc.dtype
-
-
-@struct.dataclass
-class DraftCache:
-    """Per drafter layer, the committed context's K/V in a ring of ``S`` slots (see module doc).
-
-    Heads-major ``[B, K, S, D]`` per layer (a tuple, one buffer per layer) because that is the layout
-    both attention products consume: any other layout makes XLA transpose (copy) the whole context at
-    every draft, and a stacked ``[L, …]`` array would be sliced (copied) per layer.
-    """
-
-    k: tuple[Array | Int8KV, ...]  # L × [B, K, S, D] after k_norm + RoPE
-    v: tuple[Array | Int8KV, ...]  # L × [B, K, S, D]
-    lengths: Array  # [B] int32: context tokens committed so far = position of the next anchor
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
-
-    @property
-    def batch(self) -> int:
-        return self.k[0].shape[0]
 
 
 @struct.dataclass
@@ -212,112 +113,11 @@ class Replacement(NamedTuple):
     layers: int
 
 
-# ``attend(layer, q [B, T', N, D], k [B, T', K, D], v [B, T', K, D]) → [B, T', N, D]``: the block's queries
-# against whatever context the caller keeps (the ring cache at inference, the whole sequence in training)
-# and against the block's own keys. T' = A·T when A blocks run side by side.
-Attend = Callable[[int, Array, Array, Array], Array]
 # ``choose(scores [B, C], keys [B]) → (index [B], q [B, C])``: one slot's pick and the distribution it drew from.
 Choose = Callable[[Array, Array], tuple[Array, Array]]
 # ``wrap(sublayer, x [B, T', H], run) → [B, T', H]``: how one layer runs its "attention" or "mlp" sublayer
 # ``run`` on its normed input ``x`` (the kind's ``around_sublayer``, bound to a layer and block length).
 Wrap = Callable[[str, Array, Callable[[Array], Array]], Array]
-
-
-# ----------------------------------------------------------------------------------------------
-# Draft context cache
-
-
-def ring_slots(drafter: Drafter, capacity: int) -> int:
-    """Ring slots for rows of up to ``capacity`` positions: ``capacity``, capped at ``max(window) - 1``
-    when every layer is windowed."""
-    windows = drafter.config.layer_windows
-    return min(capacity, max(max(windows) - 1, 1)) if all(w > 0 for w in windows) else capacity
-
-
-def init_draft_cache(drafter: Drafter, batch: int, capacity: int, kv_cache_dtype: str = "auto") -> DraftCache:
-    """An empty ring for ``batch`` rows. ``capacity`` = the longest sequence (prompt + generated) a row
-    will reach; with every layer windowed the ring is capped at ``max(window) - 1`` slots.
-    ``kv_cache_dtype``: "auto" (the drafter's dtype) or "int8" (``Int8KV`` per layer)."""
-    config = drafter.config
-    slots = ring_slots(drafter, capacity)
-    shape = (batch, config.num_kv_heads, slots, config.head_dim)
-    zeros = tuple(kv_zeros(shape, drafter.dtype, kv_cache_dtype) for _ in range(config.num_layers))
-    return DraftCache(k=zeros, v=zeros, lengths=sharded_zeros((batch,), jnp.int32, LENGTHS_AXES))
-
-
-def resize_ring(drafter: Drafter, cache: DraftCache, capacity: int) -> DraftCache:
-    """The ring for rows of up to ``capacity`` positions. Valid while every row's positions are below
-    both slot counts: a ring that never wrapped holds position ``p`` in slot ``p``."""
-    slots = ring_slots(drafter, capacity)
-    if slots == cache.capacity:
-        return cache
-    fit = lambda x: resize_slots(x, slots)  # noqa: E731
-    return cache.replace(k=tuple(map(fit, cache.k)), v=tuple(map(fit, cache.v)))
-
-
-def context_slot_positions(cache: DraftCache) -> Array:
-    """Absolute position held by each ring slot ``[B, S]`` (negative = empty): the latest p < lengths
-    with p ≡ slot (mod S)."""
-    return _attention_kernel.ring_positions(cache.lengths, cache.capacity)
-
-
-def fuse_context(drafter: Drafter, tapped: Array) -> Array:
-    """``tapped [n, B, T, H]`` (tap order) → ``ctx = hidden_norm(fc(concat)) [B, T, H]``.
-
-    Concatenation order is tap order along H, like z-lab's ``extract_context_feature``."""
-    n, b, t, h = tapped.shape
-    if n != drafter.config.num_taps or h != drafter.config.hidden_size:
-        raise ValueError(
-            f"tapped features have shape {tapped.shape}; the drafter expects "
-            f"[{drafter.config.num_taps}, B, T, {drafter.config.hidden_size}]"
-        )
-    concat = jnp.transpose(tapped, (1, 2, 0, 3)).reshape(b, t, n * h).astype(drafter.dtype)
-    return rms_norm(concat @ drafter.params.fc, drafter.params.hidden_norm, drafter.config.rms_norm_eps)
-
-
-def context_kv(drafter: Drafter, layer: int, ctx: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
-    """One layer's context keys (k_norm, RoPE) and values from ``ctx [B, S, H]`` → ``[B, S, K, D]`` each.
-    ``ctx`` does not pass through ``input_layernorm``."""
-    config, lp = drafter.config, drafter.params.layers[layer]
-    b, s, _ = ctx.shape
-    kh, d = config.num_kv_heads, config.head_dim
-    k = apply_rope(rms_norm((ctx @ lp.k).reshape(b, s, kh, d), lp.k_norm, config.rms_norm_eps), cos, sin)
-    return k, (ctx @ lp.v).reshape(b, s, kh, d)
-
-
-def append_context(drafter: Drafter, cache: DraftCache, tapped: Array, num_new: Array) -> DraftCache:
-    """Commit ``num_new [B]`` (≤ T) tokens' target features ``tapped [n, B, T, H]`` at positions
-    ``lengths … lengths+num_new-1``: every layer's context K/V into the ring, then ``lengths += num_new``.
-
-    Context K/V depend only on ``ctx`` and each layer's own k/v projections, so every layer's are
-    computed here, once, rather than inside the draft forward. Only the last ``S`` of a row's new tokens
-    are written (a long prompt into a short window ring), so no two writes of one call hit the same slot.
-    """
-    b, _, s, d = cache.k[0].shape
-    t = tapped.shape[2]
-    ctx = fuse_context(drafter, tapped)  # [B, T, H]
-    positions = cache.lengths[:, None] + jnp.arange(t)  # [B, T]
-    cos, sin = rope_cos_sin(positions, d, drafter.config.rope_theta, ctx.dtype)  # [B, T, D]
-    num_new = num_new.astype(jnp.int32)
-    offset = jnp.arange(t)[None, :]
-    keep = (offset < num_new[:, None]) & (offset >= num_new[:, None] - s)  # [B, T]
-    slots = jnp.where(keep, jnp.mod(positions, s), s)  # slot s is out of range → dropped
-    rows = jnp.arange(b)[:, None]
-
-    def put(ring: Array | Int8KV, x: Array) -> Array | Int8KV:  # x [B, T, K, D] into slots [B, T] of every head
-        # A scatter along S of the heads-major buffer: in place (no cache-sized copy) for f32 on
-        # XLA:CPU and on accelerators. (XLA:CPU converts a bf16 buffer to f32 around a scatter.)
-        if isinstance(ring, Int8KV):
-            q, scale = quantize_kv(x)  # per row, token and head: [B, T, K, D], [B, T, K, 1]
-            return Int8KV(q=put(ring.q, q), scale=put(ring.scale, scale))
-        return ring.at[rows, :, slots].set(x, mode="drop")
-
-    new_k, new_v = [], []
-    for layer, (cache_k, cache_v) in enumerate(zip(cache.k, cache.v)):
-        k, v = context_kv(drafter, layer, ctx, cos, sin)  # [B, T, K, D]
-        new_k.append(put(cache_k, k))
-        new_v.append(put(cache_v, v))
-    return cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + num_new)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,27 +162,6 @@ def backbone_layer(
     wrap = wrap or (lambda sublayer, normed, run: run(normed))
     x = x + wrap("attention", rms_norm(x, lp.input_norm, eps), attention)
     return x + wrap("mlp", rms_norm(x, lp.post_norm, eps), mlp)
-
-
-def cache_attention(drafter: Drafter, cache: DraftCache) -> Attend:
-    """Inference attention: the block against the ring cache's context and causally/bidirectionally
-    inside itself (one block per row)."""
-    config = drafter.config
-    # Kernel dispatch (kernels/pallas/dispatch.py, at trace time): the jnp reference, or the Pallas kernel with
-    # the same semantics (tiles skipped, not masked). Under a mesh each device attends its own rows and heads
-    # (query heads split together with their KV heads).
-    heads, kv_heads, ctx = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", "kv_heads", None, None)
-
-    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
-        attention = per_device(
-            functools.partial(_attention_kernel.draft_attention, window=config.layer_windows[layer], causal=config.layer_causal[layer]),
-            [heads, ctx, ctx, kv_heads, kv_heads, ("batch",)], heads,
-        )  # fmt: skip
-        # An int8 ring is dequantised here, one layer at a time: both attention paths read float rings.
-        ctx_k, ctx_v = dequantize_kv(cache.k[layer], drafter.dtype), dequantize_kv(cache.v[layer], drafter.dtype)
-        return attention(q, ctx_k, ctx_v, k, v, cache.lengths)
-
-    return attend
 
 
 def unary_logits(drafter: Drafter, target: Target, hidden: Array) -> Array:
@@ -438,22 +217,25 @@ class DFlash:
     A subclass overrides the hooks below — ``around_sublayer`` (how a layer runs its attention / MLP),
     ``after_layer`` (what runs after each backbone layer),
     ``candidates`` / ``select`` / ``decode`` (the decode head), and the checkpoint hooks
-    (``configure``, ``write_config``, ``load_params``, ``params_tensors``, ``init_config``, ``init_params``;
+    (``read_config``, ``write_config``, ``load_params``, ``params_tensors``, ``init_config``, ``init_params``;
     ``init_options`` names the extra ``init_drafter`` arguments ``init_config`` reads) — and registers
-    itself; nothing else in the package names a kind.
+    itself; nothing else in the package names a kind. A kind with config fields of its own names its
+    ``DrafterConfig`` subclass as ``config_class`` (which validates them) and reads / writes them itself.
     """
 
     name = "dflash"
     architecture = "DFlashDraftModel"  # config.json ``architectures`` entry of this kind's checkpoints
     config_section: str | None = None  # a config.json key whose presence marks this kind's checkpoints
+    config_class: type[DrafterConfig] = DrafterConfig  # the config this kind's drafters carry
     injects = False  # whether ``after_layer`` changes the stream (``inject=False`` runs the backbone alone)
     init_options: tuple[str, ...] = ()  # kind-specific keyword arguments ``init_drafter`` accepts
 
     # --- config.json (the fields beyond the Qwen3 backbone and dflash_config) ---
 
-    def configure(self, cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-        """Kind-specific ``DrafterConfig`` fields from ``cfg`` on top of the parsed backbone ``fields``.
-        DFlash decodes over the whole vocabulary (C = V)."""
+    def read_config(self, cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of ``config_class``: the parsed shared ``fields`` with the kind's own read
+        from ``cfg`` (parsed only: ``config_class.validate`` checks their values). DFlash decodes over the whole
+        vocabulary (C = V)."""
         return {**fields, "top_k": fields["vocab_size"]}
 
     def write_config(self, config: DrafterConfig, cfg: dict[str, Any]) -> None:

@@ -13,12 +13,16 @@ inference forward, the transition table, the sequential reference walk and train
 * ``transition_table`` / ``walk`` / ``walk_sequential``  the decode head and its reference
 
 Checkpoints follow SpecForge's layout (``injection.*`` tensors, ``transfer_codes`` buffer,
-``dspine_config``). Letters as in drafter.py; R transfer rank, M message width.
+``dspine_config``): ``DSpineConfig`` models ``dspine_config`` and validates it as SpecForge's ``DSpineConfig``
+does, ``DSpineParams`` holds the injection and the codes. Letters as in drafter.py; R transfer rank, M message
+width.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 from typing import Any, Callable
 
@@ -28,11 +32,12 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax.models.sampling import Sampling
 from dspine_jax.drafters.config import (
-    DSPINE_DEFAULTS,
     DrafterConfig,
     DrafterConfigError,
+    config_check,
+    config_check_numbers,
+    config_float,
     config_int,
     drafter_kind,
     register_drafter_kind,
@@ -42,8 +47,6 @@ from dspine_jax.drafters.drafter import (
     Candidates,
     Choose,
     DFlash,
-    Drafter,
-    DrafterParams,
     DraftOutput,
     Replacement,
     choose,
@@ -52,12 +55,14 @@ from dspine_jax.drafters.drafter import (
     unary_logits,
     vocab_ids,
 )
+from dspine_jax.drafters.params import Drafter, DrafterParams, with_kind_weights
 from dspine_jax.models import quant
 from dspine_jax.models.layers import rms_norm
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import Target
 from dspine_jax.models.weights import CheckpointError, take
-from dspine_jax.parallel.mesh import per_device
 from dspine_jax.pallas import transition_cache as _transition_kernel
+from dspine_jax.parallel.mesh import per_device
 
 # F.normalize's epsilon: a zero readout stays zero instead of dividing by zero.
 NORMALIZE_EPS = 1e-12
@@ -75,6 +80,100 @@ class Injection:
     bias: Array  # [M]
 
 
+@struct.dataclass(kw_only=True)
+class DSpineParams(DrafterParams):
+    """A DSpine drafter's weights: the shared backbone plus its injection and transfer codes."""
+
+    injection: Injection
+    # [V, R], fixed: derived from the target's LM head (training holds it apart, None: ``train.loop.split_params``).
+    transfer_codes: Array | None
+
+
+# SpecForge's DSpineConfig defaults: the modelled sizes, then the training-only knobs (loss weights and schedule).
+DSPINE_DEFAULTS: dict[str, Any] = {
+    "transfer_rank": 1024,
+    "message_size": 512,
+    "top_k": 16,
+    "ce_weight": 0.1,
+    "alignment_weight": 0.5,
+    "alignment_warmup_steps": 146,
+    "replacement_layers": 3,
+    "replacement_probability": 0.5,
+    "replacement_hold_ratio": 1 / 6,
+    "replacement_end_ratio": 1 / 3,
+    "candidate_mass_threshold": 1e-4,
+}
+# The training knobs by type: ``with_dspine_settings`` may change these (they fix no tensor shape).
+TRAINING_INTS = ("alignment_warmup_steps", "replacement_layers")
+TRAINING_FLOATS = (
+    "ce_weight", "alignment_weight", "replacement_probability", "replacement_hold_ratio", "replacement_end_ratio",
+    "candidate_mass_threshold",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DSpineConfig(DrafterConfig):
+    """A DSpine drafter's config: the shared fields plus SpecForge's ``dspine_config`` (its ``top_k`` is the shared
+    ``top_k``). ``validate`` checks what SpecForge's ``DSpineConfig.validate`` checks, and causality."""
+
+    transfer_rank: int  # R
+    message_size: int  # M
+    # Training only (SpecForge's loss weights and schedule, read by train/loop.py); kept so a config round-trips.
+    ce_weight: float = DSPINE_DEFAULTS["ce_weight"]
+    alignment_weight: float = DSPINE_DEFAULTS["alignment_weight"]
+    alignment_warmup_steps: int = DSPINE_DEFAULTS["alignment_warmup_steps"]
+    replacement_layers: int = DSPINE_DEFAULTS["replacement_layers"]
+    replacement_probability: float = DSPINE_DEFAULTS["replacement_probability"]
+    replacement_hold_ratio: float = DSPINE_DEFAULTS["replacement_hold_ratio"]
+    replacement_end_ratio: float = DSPINE_DEFAULTS["replacement_end_ratio"]
+    candidate_mass_threshold: float = DSPINE_DEFAULTS["candidate_mass_threshold"]
+
+    def validate(self) -> None:
+        super().validate()
+        config_check_numbers(self, ("transfer_rank", "message_size", *TRAINING_INTS), TRAINING_FLOATS, "dspine_config")
+        config_check(all(self.layer_causal), "a DSpine drafter is causal in every layer (its injection assumes slot t never sees t+1)")
+        config_check(
+            0 < self.transfer_rank <= min(self.hidden_size, self.vocab_size - 1),
+            f"dspine_config.transfer_rank={self.transfer_rank} must be in [1, min(hidden_size, vocab_size-1)] "
+            f"= [1, {min(self.hidden_size, self.vocab_size - 1)}]",
+        )
+        config_check(self.message_size >= 1, f"dspine_config.message_size={self.message_size} must be >= 1")
+        config_check(0 <= self.ce_weight <= 1, f"dspine_config.ce_weight={self.ce_weight} must be in [0, 1]")
+        config_check(self.alignment_weight >= 0, f"dspine_config.alignment_weight={self.alignment_weight} must be >= 0")
+        config_check(
+            self.alignment_warmup_steps >= 0 and self.replacement_layers >= 0,
+            f"dspine_config.alignment_warmup_steps={self.alignment_warmup_steps} and "
+            f"replacement_layers={self.replacement_layers} must be >= 0",
+        )
+        config_check(0 <= self.replacement_probability <= 1,
+                     f"dspine_config.replacement_probability={self.replacement_probability} must be in [0, 1]")  # fmt: skip
+        # The schedule divides by end - hold.
+        config_check(
+            0 <= self.replacement_hold_ratio < self.replacement_end_ratio <= 1,
+            f"dspine_config needs 0 <= replacement_hold_ratio < replacement_end_ratio <= 1 "
+            f"(got {self.replacement_hold_ratio}, {self.replacement_end_ratio})",
+        )
+        config_check(0 <= self.candidate_mass_threshold < 1,
+                     f"dspine_config.candidate_mass_threshold={self.candidate_mass_threshold} must be in [0, 1)")  # fmt: skip
+
+    @property
+    def dspine_settings(self) -> dict[str, Any]:
+        """The full ``dspine_config`` dict (training knobs included) as it will be saved: the file's own keys,
+        then every modelled value."""
+        raw = json.loads(self.raw_json).get("dspine_config") or {}
+        return {**DSPINE_DEFAULTS, **raw, **{name: getattr(self, name) for name in DSPINE_DEFAULTS}}
+
+
+def with_dspine_settings(config: DrafterConfig, **updates: Any) -> DSpineConfig:
+    """``config`` with training-only ``dspine_config`` knobs replaced (e.g. the ``alignment_warmup_steps``
+    a run really used), so a saved checkpoint records them. The modelled sizes (rank, width, top-k)
+    cannot change this way: they fix tensor shapes."""
+    bad = sorted(set(updates) - {*TRAINING_INTS, *TRAINING_FLOATS})
+    if not isinstance(config, DSpineConfig) or bad:
+        raise DrafterConfigError(f"cannot set dspine_config {bad or sorted(updates)} on this drafter")
+    return dataclasses.replace(config, **updates)
+
+
 def head_rows(lm_head: Array, ids: Array) -> Array:
     """Rows of the LM head ``[H, V]`` for token ids: ``[...]`` → ``[..., H]`` (a column gather, so the
     full head is never transposed)."""
@@ -89,32 +188,23 @@ class DSpine(DFlash):
     name = "dspine"
     architecture = "DSpineDraftModel"
     config_section = "dspine_config"
+    config_class = DSpineConfig
     injects = True
 
     # --- config.json ---
 
-    def configure(self, cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-        """Causal in every layer whatever the file says (the injection assumes slot t never sees t+1);
-        rank, message width and candidate count from ``dspine_config`` (SpecForge defaults)."""
-        hidden, vocab = fields["hidden_size"], fields["vocab_size"]
+    def read_config(self, cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        """Causal in every layer whatever the file says (the injection assumes slot t never sees t+1); every
+        ``dspine_config`` value (SpecForge's defaults for those it lacks), its ``top_k`` as the shared one."""
         settings = {**DSPINE_DEFAULTS, **(cfg.get("dspine_config") or {})}
-        transfer_rank = config_int(settings, "transfer_rank", "dspine_config")
-        message_size = config_int(settings, "message_size", "dspine_config")
-        top_k = config_int(settings, "top_k", "dspine_config")
-        if not 0 < transfer_rank <= min(hidden, vocab - 1):
-            raise DrafterConfigError(
-                f"dspine_config.transfer_rank={transfer_rank} must be in [1, min(hidden_size, vocab_size-1)]"
-            )
-        if message_size < 1 or not 1 <= top_k <= vocab:
-            raise DrafterConfigError(
-                f"dspine_config needs message_size >= 1 and top_k in [1, vocab_size] (got {message_size}, {top_k})"
-            )
+        ints = ("transfer_rank", "message_size", "top_k", *TRAINING_INTS)
         return {
-            **fields, "layer_causal": (True,) * fields["num_layers"], "top_k": top_k,
-            "transfer_rank": transfer_rank, "message_size": message_size,
+            **fields, "layer_causal": (True,) * fields["num_layers"],
+            **{key: config_int(settings, key, "dspine_config") for key in ints},
+            **{key: config_float(settings, key, "dspine_config") for key in TRAINING_FLOATS},
         }  # fmt: skip
 
-    def write_config(self, config: DrafterConfig, cfg: dict[str, Any]) -> None:
+    def write_config(self, config: DSpineConfig, cfg: dict[str, Any]) -> None:
         cfg["is_causal"] = True
         cfg["dspine_config"] = config.dspine_settings
 
@@ -130,7 +220,7 @@ class DSpine(DFlash):
 
     # --- weights ---
 
-    def load_params(self, tensors: dict, config: DrafterConfig, target: Target, cast: Callable, backbone: DrafterParams) -> DrafterParams:
+    def load_params(self, tensors: dict, config: DSpineConfig, target: Target, cast: Callable, backbone: DrafterParams) -> DSpineParams:
         """``injection.*`` (torch ``[out, in]``) and the ``transfer_codes`` buffer: used as stored unless
         absent or flagged not ready (SpecForge's never-initialised zeros), then recomputed from the head."""
         r, m, h, n = config.transfer_rank, config.message_size, config.hidden_size, config.num_layers
@@ -155,9 +245,11 @@ class DSpine(DFlash):
             codes = cast(stored) if ready else None
         if codes is None:  # absent, or SpecForge's never-initialised zeros
             codes = transfer_codes_from_head(quant.dequantize(target.params.lm_head), r)[0].astype(backbone.fc.dtype)
-        return backbone.replace(injection=injection, transfer_codes=codes)
+        return with_kind_weights(DSpineParams, backbone, injection=injection, transfer_codes=codes)
 
-    def params_tensors(self, params: DrafterParams, config: DrafterConfig, host: Callable) -> dict[str, Any]:
+    def params_tensors(self, params: DrafterParams, config: DSpineConfig, host: Callable) -> dict[str, Any]:
+        if not isinstance(params, DSpineParams) or params.transfer_codes is None:
+            raise CheckpointError("a dspine drafter's params must be DSpineParams with its transfer codes")
         inj, out = params.injection, {}
         for i in range(config.num_layers):
             out[f"injection.readouts.{i}.weight"] = host(inj.readouts[i], True)
@@ -170,7 +262,7 @@ class DSpine(DFlash):
         out["transfer_ready"] = np.array(True)
         return out
 
-    def init_params(self, config: DrafterConfig, target: Target, keys: Any, dtype: jnp.dtype, backbone: DrafterParams) -> DrafterParams:
+    def init_params(self, config: DSpineConfig, target: Target, keys: Any, dtype: jnp.dtype, backbone: DrafterParams) -> DSpineParams:
         """SpecForge's init: ``message``/``receiver_gate`` keep torch's default Linear init U(±1/√R) (they are
         created after ``post_init``); ``writes``, ``predecessor_gate`` and ``bias`` are zero, so a fresh DSpine
         computes exactly a causal DFlash; readouts = the PCA directions of the transfer space."""
@@ -189,7 +281,7 @@ class DSpine(DFlash):
             predecessor_gate=jnp.zeros((r, m), dtype),
             bias=jnp.zeros((m,), dtype),
         )
-        return backbone.replace(injection=injection, transfer_codes=codes.astype(dtype))
+        return with_kind_weights(DSpineParams, backbone, injection=injection, transfer_codes=codes.astype(dtype))
 
     # --- injection pieces ---
 
@@ -240,8 +332,7 @@ class DSpine(DFlash):
         return self.feature(h, drafter.params.injection.readouts[layer], drafter.config.transfer_rank)
 
     def replacement(self, drafter: Drafter, mask: Array, labels: Array) -> Replacement:
-        layers = int(drafter.config.dspine_settings.get("replacement_layers", 0))
-        return Replacement(mask=mask, codes=self.code(drafter, labels[..., :-1]), layers=layers)
+        return Replacement(mask=mask, codes=self.code(drafter, labels[..., :-1]), layers=drafter.config.replacement_layers)
 
     def refine(self, drafter: Drafter, pre: Array, predecessor_ids: Array) -> Array:
         """Last-write refinement: redo the last layer's write from its pre-injection state with a known

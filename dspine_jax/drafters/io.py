@@ -41,7 +41,7 @@ from dspine_jax.drafters.config import (
     drafter_kinds,
     load_drafter_config,
 )
-from dspine_jax.drafters.drafter import Drafter, DrafterLayer, DrafterParams
+from dspine_jax.drafters.params import Drafter, DrafterLayer, DrafterParams
 from dspine_jax.models import hub, quant
 from dspine_jax.models.target import Target, resolve_dtype
 from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take

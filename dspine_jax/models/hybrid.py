@@ -31,7 +31,12 @@ from jax import Array
 
 from dspine_jax.models import gdn
 from dspine_jax.models.cache import (
-    KV_CACHE_DTYPES, HybridCache, Int8KV, attention_operands, init_hybrid_cache, write_block,
+    KV_CACHE_DTYPES,
+    HybridCache,
+    Int8KV,
+    attention_operands,
+    init_hybrid_cache,
+    write_block,
 )
 from dspine_jax.models.config import HYBRID_TARGET_TYPES, MOE_HYBRID_TYPES, HybridConfig, hybrid_config_from_dict
 from dspine_jax.models.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps

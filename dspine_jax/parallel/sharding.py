@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from dspine_jax.drafters.drafter import Drafter
+from dspine_jax.drafters.params import Drafter
 from dspine_jax.models import quant
 from dspine_jax.models.target import Target
 from dspine_jax.parallel.mesh import MODEL, logical_spec

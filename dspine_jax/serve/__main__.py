@@ -27,8 +27,8 @@ from typing import Any
 import jax
 import uvicorn
 
+from dspine_jax.decoding.decoder import check_block_size, load_sps_table, parse_verify
 from dspine_jax.decoding.planning import enable_compilation_cache
-from dspine_jax.decoding.speculative import check_block_size, load_sps_table, parse_verify
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models import target as tgt
 from dspine_jax.models import tokenizer as tokenizer_io

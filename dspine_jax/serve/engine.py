@@ -4,10 +4,10 @@ Device state (persistent, donated to every jitted call): the target cache and th
 cache, ``R ≤ S`` rows each (one row per slot, see ``step``), up to ``context_length + T_max`` positions per
 row (the ``T_max`` slack keeps a verify block inside the buffer, as in ``speculative_generate``).
 
-Host state (numpy, per slot, passed into each step — a few hundred bytes): the anchor (last emitted
-token, not yet in the target cache), whether the slot runs, its sampling parameters (temperature,
-top-p, top-k per slot) and its PRNG key. The host is the source of truth for token counts, budgets and
-stop strings; the device only knows cache lengths.
+The rows' decode state lives on the device beside the caches, one ``round.DecodeState`` (anchor, running,
+remaining budget, tokens emitted, PRNG key, sampling parameters and acceptance statistics per row), set
+when a request's prompt is in (``write_rows``) and updated by every step; the host reads back what a step
+emitted and which rows still run, and keeps only slots, buckets, prompts and streams.
 
 Programs (``programs.py``: compiled once per shape, on demand or ahead from abstract shapes by
 ``EngineCore.warmup``; at most ``max_programs`` held, least recently used dropped):
@@ -21,8 +21,9 @@ Programs (``programs.py``: compiled once per shape, on demand or ahead from abst
   not stall them), and several waiting prompts share a call (``plan_batch``, shortest rest first).
   ``replay`` keeps each row's real tokens only, so K/V lengths, a hybrid's GDN conv window and recurrent
   state, and the drafter's ring carry from one chunk to the next. No prompt length compiles a new shape.
-* ``step`` — ``speculative.speculative_round`` for all slots, the same round ``speculative_generate``
-  runs inside its while loop (per-row sampling parameters, keys and budgets; the engine's stop ids).
+* ``step`` — ``decoder.segment`` for all slots: the rounds ``speculative_generate`` runs, through the same
+  device loop and the same host driver (``Decoder``; per-row sampling parameters, keys and budgets; the
+  engine's stop ids).
   The device caches hold only the first ``R`` slots, ``R`` a power-of-two bucket covering every
   occupied slot (requests take the lowest free slot), and ``C`` positions per row, ``C`` a bucket (128,
   256, …, the context) above every occupied slot's next verify block. So idle slots cost no compute,
@@ -31,11 +32,10 @@ Programs (``programs.py``: compiled once per shape, on demand or ahead from abst
   slots inside the bucket run too (static shapes) but commit nothing. With ``verify_len == 1`` and no drafter (``NoProposer``) it is
   a plain autoregressive step (``--no-speculative``). With ``verify="auto"`` (the default) each step runs
   at the length the adaptive policy (``decoding/adaptive.py``) chose at the end of the previous one, from
-  per-slot acceptance statistics kept on the host beside the anchors (when every running slot is
-  greedy, a probe is a peek: ``speculative.policy_round``); one program per length. A length whose
-  program is not compiled yet, while the background warmup compiles it, runs as plain rounds (every
-  length is exact). The cost per length is measured on the first steps of each row bucket (pinned
-  lengths, exact like any other) and cached on disk.
+  the slots' acceptance statistics (when every running slot is greedy, a probe is a peek); one program
+  per length. A length whose program is not compiled yet, while the background warmup compiles it, runs
+  as plain rounds (every length is exact). The cost per length is calibrated on the first steps of each
+  row bucket (``Decoder``, online: pinned lengths, exact like any other) and cached on disk.
 
 Warmup (``warmup_plan``): every program above at every bucket, in the order traffic needs them — one
 request before several, short contexts before long, plain rounds before drafted ones. ``lazy`` compiles
@@ -47,10 +47,8 @@ This module keeps only slot bookkeeping: admitting a request, prefilling, steppi
 from __future__ import annotations
 
 import atexit
-import collections
 import dataclasses
 import functools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,25 +56,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax import Array
 from jax.sharding import Mesh
 
 from dspine_jax.decoding import adaptive
+from dspine_jax.decoding.accept import accept_sampling
 from dspine_jax.decoding.adaptive import VerifyPolicy
-from dspine_jax.models.sampling import Sampling
-from dspine_jax.decoding.speculative import (
-    DrafterProposer,
-    NoProposer,
-    Proposer,
-    RoundState,
-    accept_sampling,
-    parse_verify,
-    policy_round,
-    proposer_tag,
-)
-from dspine_jax.drafters.drafter import Drafter
+from dspine_jax.decoding.decoder import Choice, Decoder, Plan, Transcript, segment
+from dspine_jax.decoding.proposers import NoProposer, Proposer, as_proposer
+from dspine_jax.decoding.round import DecodeState, idle
+from dspine_jax.drafters.params import Drafter
 from dspine_jax.models import target as tgt
 from dspine_jax.models.cache import ROW_LOOP_MAX_BATCH
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.parallel.mesh import DATA, use_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
 from dspine_jax.serve.prefix_cache import PrefixCache, PrefixStats
@@ -85,28 +78,14 @@ from dspine_jax.serve.programs import (
     ProgramError,
     Programs,
     default_max_maps,
-    memory_maps,
     process_report,
     program,
 )
+from dspine_jax.serve.warmup import WARMUP_MODES, Planned, Warmer
 
-COST_SAMPLES = 3  # measured steps per verify length (after one dropped) before a row bucket's costs are set
 MIN_PROMPT_BUCKET = 32
 MIN_CAPACITY_BUCKET = 128  # cache capacities the engine moves between: 128, 256, … and the whole context
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill call (``--prefill-chunk``)
-
-
-def _set_row(array: np.ndarray, row: int, value: np.ndarray) -> np.ndarray:
-    array = np.array(array)
-    array[row] = value
-    return array
-
-
-def _set_rows(array: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """``array`` with its first ``len(first)`` rows replaced (the step covered a row bucket)."""
-    array = np.array(array)
-    array[: len(first)] = first
-    return array
 
 
 def prompt_widths(context_length: int, max_prompt_bucket: int) -> list[int]:
@@ -186,20 +165,49 @@ def take_row(rows, prows, i: Array):
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=0), (rows, prows))
 
 
-@program(donate=("cache", "pstate"))
-def write_rows(cache, pstate, rows, prows, slots: Array):
-    """The ``P``-row batch ``rows`` / ``prows`` written into rows ``slots [P]`` (distinct) of the slots'
-    caches, in place (every cache leaf is batch-major)."""
-    p = slots.shape[0]
-    if p > ROW_LOOP_MAX_BATCH:  # (an unrolled row loop would bloat the program)
-        put = lambda big, small: big.at[slots].set(small.astype(big.dtype), unique_indices=True)  # noqa: E731
-        return jax.tree.map(put, (cache, pstate), (rows, prows))
-    def put(big: Array, small: Array, i: int) -> Array:  # a dynamic_update_slice per row: in place on XLA:CPU
-        return jax.lax.dynamic_update_slice_in_dim(big, small[i : i + 1].astype(big.dtype), slots[i], axis=0)
+@struct.dataclass
+class RowStart:
+    """What a prefill call tells the rows it wrote: ``finishes [P]`` whether this chunk ends the row's prompt
+    (it then decodes from ``first [P]``, the token after its prompt, with budget ``remaining [P]``, key data
+    ``[P, 2]`` and its sampling parameters), unless ``first`` is a stop id or the budget is spent."""
 
-    for i in range(p):
-        cache, pstate = jax.tree.map(functools.partial(put, i=i), (cache, pstate), (rows, prows))
-    return cache, pstate
+    finishes: Array
+    first: Array
+    remaining: Array
+    key_data: Array
+    sampling: Sampling
+
+    @staticmethod
+    def none(p: int) -> RowStart:
+        """No row starts (a prefix-cache row written before its prompt's rest is prefilled)."""
+        zeros = jnp.zeros((p,), jnp.int32)
+        return RowStart(jnp.zeros((p,), bool), zeros, zeros, jnp.zeros((p, 2), jnp.uint32), Sampling.rows(p))
+
+
+@program(donate=("state",))
+def write_rows(state: DecodeState, rows, prows, slots: Array, start: RowStart, stop_ids: Array) -> DecodeState:
+    """The ``P``-row batch ``rows`` / ``prows`` written into rows ``slots [P]`` (distinct) of the slots' caches,
+    in place (every leaf is batch-major); rows whose prompt is in start decoding (``RowStart``: fresh
+    acceptance statistics, one token emitted), the others wait, idle."""
+    cache, pstate = state.cache, state.proposer_state
+    p = slots.shape[0]
+    put = lambda big, small: big.at[slots].set(small.astype(big.dtype), unique_indices=True)  # noqa: E731
+    if p > ROW_LOOP_MAX_BATCH:  # (an unrolled row loop would bloat the program)
+        cache, pstate = jax.tree.map(put, (cache, pstate), (rows, prows))
+    else:
+        def put_row(big: Array, small: Array, i: int) -> Array:  # a dynamic_update_slice per row: in place on XLA:CPU
+            return jax.lax.dynamic_update_slice_in_dim(big, small[i : i + 1].astype(big.dtype), slots[i], axis=0)
+
+        for i in range(p):
+            cache, pstate = jax.tree.map(functools.partial(put_row, i=i), (cache, pstate), (rows, prows))
+    running = start.finishes & ~jnp.isin(start.first, stop_ids) & (start.remaining > 0)
+    return state.replace(
+        cache=cache, proposer_state=pstate, anchor=put(state.anchor, start.first), running=put(state.running, running),
+        remaining=put(state.remaining, start.remaining), counts=put(state.counts, jnp.ones_like(start.first)),
+        keys=state.keys.at[slots].set(jax.random.wrap_key_data(start.key_data), unique_indices=True),
+        sampling=jax.tree.map(put, state.sampling, start.sampling),
+        stats=jax.tree.map(put, state.stats, adaptive.init_state(p, state.stats.hits.shape[1] + 1)),
+    )
 
 
 @program(donate=("rows", "prows"))
@@ -218,7 +226,7 @@ def prefill_rows(
     counts = counts.astype(jnp.int32)
     hidden, tapped, rows, saved = tgt.forward(target, rows, tokens, proposer.taps)
     rows = tgt.replay(target, rows, saved, counts)
-    prows = proposer.prefill(target, prows, tapped, counts)
+    prows = proposer.prefill(target, prows, hidden, tapped, counts)
     last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)  # [P, 1, H]
     logits = tgt.lm_logits(target, last)  # [P, 1, V]
     sampled, _ = accept_sampling(jax.random.wrap_key_data(key_data), logits, None, Sampling(temperature, top_p, top_k))
@@ -232,85 +240,47 @@ def start_row(proposer: Proposer, row, prow, keep: Array, *, capacity: int):
     capacity bucket, in buffers of their own (the entry stays intact for later requests)."""
     lengths = jnp.full((1,), keep, jnp.int32)
     row = _own_buffers(row.with_capacity(capacity)).replace(lengths=lengths)
-    if prow is not None:  # a drafter's context ring (lengths = committed context, like the target's)
-        prow = _own_buffers(proposer.with_capacity(prow, capacity)).replace(lengths=lengths)
-    return row, prow
+    return row, proposer.rewind(_own_buffers(proposer.with_capacity(prow, capacity)), lengths)
 
 
 @program()
-def refit(target: tgt.Target, proposer: Proposer, cache, pstate, *, rows: int, capacity: int):
-    """The caches with ``rows`` rows of ``capacity`` positions: the first rows kept, empty rows appended
-    (every cache leaf is batch-major), position slots appended or dropped (``with_capacity``). Runs when
-    the occupied slots or their positions cross a bucket, not per step."""
-    cache, pstate = cache.with_capacity(capacity), proposer.with_capacity(pstate, capacity)
-    have = cache.lengths.shape[0]
+def refit(target: tgt.Target, proposer: Proposer, state: DecodeState, *, rows: int, capacity: int) -> DecodeState:
+    """The slots' state with ``rows`` rows of ``capacity`` positions: the first rows kept, idle rows appended
+    (every leaf is batch-major), position slots appended or dropped (``with_capacity``). Runs when the
+    occupied slots or their positions cross a bucket, not per step."""
+    state = state.replace(cache=state.cache.with_capacity(capacity),
+                          proposer_state=proposer.with_capacity(state.proposer_state, capacity))  # fmt: skip
+    have = state.anchor.shape[0]
     if rows <= have:
-        return jax.tree.map(lambda x: x[:rows], (cache, pstate))
-    extra = (tgt.init_cache(target, rows - have, capacity), proposer.init(target, rows - have, capacity))
-    return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), (cache, pstate), extra)
+        return jax.tree.map(lambda x: x[:rows], state)
+    extra = idle(target, proposer, rows - have, capacity, state.stats.hits.shape[1] + 1)
+    return jax.tree.map(lambda x, e: jnp.concatenate([x, e.astype(x.dtype)], axis=0), state, extra)
 
 
-@program(donate=("cache", "pstate"))
+@program(donate=("state",))
 def step(
-    target: tgt.Target, proposer: Proposer, cache, pstate, anchor: Array, running: Array, remaining: Array,
-    key_data: Array, temperature: Array, top_p: Array, top_k: Array, stop_ids: Array, num_rounds: Array,
-    policy: VerifyPolicy, stats: adaptive.PolicyState, *, verify_len: int, max_rounds: int, peek: bool = False,
-):
-    """One engine step: up to ``num_rounds`` (≤ ``max_rounds``, traced) rounds of ``policy_round`` — the
-    round ``speculative_generate`` runs — at ``verify_len`` over the caches' ``R`` rows (the current row
-    bucket), in one device loop that ends early once no row runs, then ``policy``'s choice of the next
-    step's length. Several rounds per dispatch keep the host's per-step work (dispatch, read-back,
-    streaming) off the critical path; the host asks for one round when requests are waiting to be
-    admitted. The caches are donated and updated in place.
-
-    ``anchor [R]`` last emitted token per slot; ``running [R]`` bool; ``remaining [R]`` tokens the slot may
-    still emit (≥ 1 for running slots); ``key_data [R, 2]``; per-slot sampling parameters ``[R]``
-    (temperature 0 = greedy); ``stats``: the slots' acceptance statistics ``[R, …]``. Returns the caches,
-    then per round ``[max_rounds, R, …]``: emitted ``[.., T]``, ``n_keep`` (tokens of emitted to append,
-    0 for rows that do not run), ``accepted`` (proposals verification accepted) and ``hit_stop`` (the kept
-    tokens end on a stop id); the rounds run, the next key data, the updated statistics and the next
-    step's length (an index into ``policy.lengths``). ``peek`` (every running slot greedy): a probe that
-    costs a one-token draft, not a wider verify (``speculative.policy_round``).
-    """
-    state = RoundState(
-        cache=cache, proposer_state=pstate, anchor=anchor, running=running, remaining=remaining,
-        keys=jax.random.wrap_key_data(key_data),
-    )
-    sampling = Sampling(temperature, top_p, top_k)
-    rows = anchor.shape[0]
-    history = dict(
-        emitted=jnp.zeros((max_rounds, rows, verify_len), jnp.int32),
-        n_keep=jnp.zeros((max_rounds, rows), jnp.int32), accepted=jnp.zeros((max_rounds, rows), jnp.int32),
-        hit_stop=jnp.zeros((max_rounds, rows), bool),
-    )
-
-    def cond(carry):
-        done, state, *_ = carry
-        return (done < num_rounds) & jnp.any(state.running)
-
-    def body(carry):
-        done, state, stats, history = carry
-        # ``counts`` only matters to reference-indexing proposers (tests), which the engine does not run.
-        state, stats, out = policy_round(
-            target, proposer, state, stats, sampling, stop_ids, jnp.zeros_like(remaining), verify_len=verify_len,
-            all_greedy=peek, peek=peek,
-        )
-        history = {name: history[name].at[done].set(getattr(out, name)) for name in history}
-        return done + 1, state, stats, history
-
-    done, state, stats, history = jax.lax.while_loop(cond, body, (jnp.int32(0), state, stats, history))
-    choice, probe = adaptive.choose(policy, stats, state.running, state.remaining, jnp.int32(0))
-    return (state.cache, state.proposer_state, history["emitted"], history["n_keep"], history["accepted"],
-            history["hit_stop"], done, jax.random.key_data(state.keys), stats, choice, probe)
+    target: tgt.Target, proposer: Proposer, state: DecodeState, stop_ids: Array, num_rounds: Array,
+    policy: VerifyPolicy, *, verify_len: int, max_rounds: int, peek: bool = False,
+) -> tuple[DecodeState, Transcript, Choice]:
+    """One engine step: up to ``num_rounds`` (≤ ``max_rounds``, traced) rounds at ``verify_len`` over the
+    slots' ``R`` rows (the current row bucket) — ``decoder.segment``, the rounds ``speculative_generate``
+    runs — ending early once no row runs, then ``policy``'s choice of the next step's length. Several rounds
+    per dispatch keep the host's per-step work (dispatch, read-back, streaming) off the critical path; the
+    host asks for one round when requests are waiting to be admitted. The state is donated and updated in
+    place. Returns it, the step's transcript (each row's new tokens, ``[R, max_rounds · T]``) and the choice.
+    ``peek`` (every running slot greedy): a probe that costs a one-token draft, not a wider verify."""
+    rows = state.anchor.shape[0]
+    transcript = Transcript.empty(rows, max_rounds * verify_len, max_rounds)
+    return segment(target, proposer, state, transcript, stop_ids, num_rounds, policy, verify_len=verify_len,
+                   greedy=peek, peek=peek)  # fmt: skip
 
 
-@program(donate=("cache", "pstate"))
-def reset_slot(cache, pstate, slot: Array):
-    """Zero a freed slot's lengths (its buffers are overwritten by the next prefill)."""
-    cache = cache.replace(lengths=cache.lengths.at[slot].set(0))
-    if pstate is not None:  # a drafter's context ring
-        pstate = pstate.replace(lengths=pstate.lengths.at[slot].set(0))
-    return cache, pstate
+@program(donate=("state",))
+def reset_slot(proposer: Proposer, state: DecodeState, slot: Array) -> DecodeState:
+    """A freed slot: empty (its buffers are overwritten by the next prefill) and idle."""
+    lengths = state.cache.lengths.at[slot].set(0)
+    return state.replace(cache=state.cache.replace(lengths=lengths), running=state.running.at[slot].set(False),
+                         proposer_state=proposer.rewind(state.proposer_state, lengths))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,15 +323,12 @@ class StepResult:
 class PendingStep:
     """A dispatched engine step (``EngineCore.launch``): its device outputs and what ``collect`` needs."""
 
-    outputs: list  # step()'s outputs after the caches, device arrays not yet read
+    transcript: Transcript  # the step's tokens, device arrays not yet read
+    choice: Choice  # the policy's choice for the next step
     active: np.ndarray  # [S] the slots that ran
     n: int  # how many
     rows: int  # the row bucket
-    length: int  # the verify length
-    peek: bool  # a probe by a peek (its time is neither length's)
-    policy: VerifyPolicy
-    chosen: bool  # the length is the policy's (not fixed, warmup's or calibration's)
-    calibrating: bool
+    plan: Plan  # the length, rounds and policy the step ran with
     start: float  # perf_counter at dispatch
 
 
@@ -407,38 +374,21 @@ class EngineCore:
             )
         self.target, self.drafter = target, drafter
         if proposer is None:
-            proposer = NoProposer() if drafter is None else DrafterProposer(drafter)
+            proposer = NoProposer() if drafter is None else as_proposer(drafter)
         self.proposer = proposer
         self.programs = Programs(fixed=(target, proposer), max_programs=max_programs,
                                  max_maps=default_max_maps() if max_maps == "auto" else max_maps,
                                  shardings=mesh is not None)
         self._warmer: Warmer | None = None  # the background warmup (``warmup("lazy")``)
         self._full_warmup = (0, 0)  # (compiled, planned) by a ``full`` warmup
-        self._cache_specs: dict[tuple[int, int], Any] = {}  # (rows, capacity) → abstract caches
+        self._cache_specs: dict[tuple[int, int], DecodeState] = {}  # (rows, capacity) → abstract state
         self.num_slots, self.context_length = num_slots, context_length
-        verify = parse_verify(verify)
-        self.candidates: tuple[int, ...] = ()  # adaptive verification's lengths (empty: fixed lengths)
-        if drafter is None:
-            self.verify_lengths = {1: 1}
-        else:
-            block = drafter.config.block_size
-            if sps_table:
-                self.verify_lengths = {b: max(2, min(v, block)) for b, v in sps_table.items()}
-            elif verify_len is not None or verify != "auto":
-                self.verify_lengths = {1: max(2, min(verify_len or verify, block))}
-            else:
-                self.candidates = adaptive.candidate_lengths(block)
-                self.verify_lengths = {1: max(self.candidates)}
-        self.max_verify = max(self.verify_lengths.values())
-        self.stats = jax.device_get(adaptive.init_state(num_slots, self.max_verify))  # per slot, host copy
-        self.costs: dict[int, dict[int, float]] = dict(verify_costs or {})  # row bucket → {T: seconds}
-        self._cost_samples: dict[int, dict[int, list[float]]] = {}  # row bucket → T → seconds per round
-        self._estimates: dict[int, adaptive.CostEstimate] = {}  # measured costs, refined by the steps served
-        # Steps at a pinned length (warmup, calibration) run under unit costs: the same program as served,
-        # built once rather than per step.
-        self._unit_policy = adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0)) if self.candidates else None
-        self._next_length: tuple[int, bool] | None = None  # the policy's choice for the next step, a probe?
-        self._forced_length: int | None = None  # tests pin a length
+        # Verify lengths (fixed, by batch size, or adaptive) and the adaptive driver: the ``Decoder``
+        # ``speculative_generate`` runs, calibrating each row bucket's costs online on its first steps.
+        self.decoder = Decoder(target, proposer, verify=verify if verify_len is None else verify_len,
+                               sps_table=sps_table or None, verify_costs=verify_costs, calibrate="online",
+                               scope="engine|")  # fmt: skip
+        self.max_verify = self.decoder.max_verify
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
         self.max_rounds = max_rounds
@@ -455,13 +405,8 @@ class EngineCore:
         self.stop_ids = jnp.asarray(stops, jnp.int32)
         self.stop_set = {int(x) for x in stops if x >= 0}
         s = num_slots
-        self.anchor = np.zeros(s, np.int32)
-        self.running = np.zeros(s, bool)
-        self.remaining = np.zeros(s, np.int32)
-        self.key_data = np.zeros((s, 2), np.uint32)
-        self.temperature = np.zeros(s, np.float32)
-        self.top_p = np.ones(s, np.float32)
-        self.top_k = np.zeros(s, np.int32)
+        self.running = np.zeros(s, bool)  # read back from the device after each step
+        self.temperature = np.zeros(s, np.float32)  # (a step of greedy slots only may peek)
         self.occupied = np.zeros(s, bool)
         self.lengths = np.zeros(s, np.int64)  # committed cache length per slot (host mirror)
         self.history: dict[int, list[int]] = {}  # slot → prompt + emitted tokens
@@ -475,27 +420,42 @@ class EngineCore:
         self.row_buckets = buckets + [s]
         # Caches that can change capacity (every built-in family, drafters, NoProposer) hold a bucket above
         # what the occupied slots need, so attention never spans the whole context for short requests.
-        resizable = hasattr(tgt.init_cache(target, 1, 1), "with_capacity") and hasattr(self.proposer, "with_capacity")
+        resizable = hasattr(tgt.init_cache(target, 1, 1), "with_capacity")
         self.capacity_buckets = capacity_buckets(self.capacity) if resizable else [self.capacity]
         self._init_caches()
 
     def _init_caches(self) -> None:
         rows, capacity = self.row_buckets[0], self.capacity_buckets[0]
         with use_mesh(self.mesh):
-            cache = tgt.init_cache(self.target, rows, capacity)
-            pstate = self.proposer.init(self.target, rows, capacity)
+            state = idle(self.target, self.proposer, rows, capacity, self.max_verify)
             # Distinct buffers per leaf (init_draft_cache shares one zeros array between k and v): donation
             # needs every leaf to own its buffer.
-            self.cache, self.pstate = jax.tree.map(lambda x: jnp.array(x, copy=True), (cache, pstate))
-        self._base_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                       (self.cache, self.pstate))
+            self.state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+        self._base_spec = jax.tree.map(_abstract, self.state)
+
+    @property
+    def cache(self) -> Any:
+        """The target's cache of the slots (``R`` rows of the current capacity bucket)."""
+        return self.state.cache
+
+    @cache.setter
+    def cache(self, cache: Any) -> None:
+        self.state = self.state.replace(cache=cache)
+
+    @property
+    def pstate(self) -> Any:
+        """The proposer's state of the slots."""
+        return self.state.proposer_state
+
+    @pstate.setter
+    def pstate(self, pstate: Any) -> None:
+        self.state = self.state.replace(proposer_state=pstate)
 
     def reset(self) -> None:
         """Drop every slot and rebuild the caches (after a failed step, whose donated buffers are gone)."""
         self._init_caches()
         self.running[:] = False
         self.occupied[:] = False
-        self.remaining[:] = 0
         self.lengths[:] = 0
         self.history.clear()
         self.prefilling.clear()
@@ -528,9 +488,7 @@ class EngineCore:
         rows = self.rows_for(max(highest, 1))
         capacity = next(c for c in self.capacity_buckets if c >= min(positions, self.capacity))
         if (rows, capacity) != (self.rows, self.cache_capacity):
-            self.cache, self.pstate = self._run(
-                refit, self.target, self.proposer, self.cache, self.pstate, rows=rows, capacity=capacity
-            )
+            self.state = self._run(refit, self.target, self.proposer, self.state, rows=rows, capacity=capacity)
 
     def _needed_positions(self) -> int:
         """Positions the occupied slots need for the verify blocks of their next step, and the prompts being
@@ -545,10 +503,18 @@ class EngineCore:
         occupied = np.flatnonzero(self.occupied)
         return int(occupied[-1]) + 1 if occupied.size else 0
 
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        """Adaptive verification's lengths (empty: fixed lengths)."""
+        return self.decoder.candidates
+
+    @property
+    def verify_lengths(self) -> dict[int, int]:
+        """Fixed verify lengths by batch size (adaptive: the longest candidate)."""
+        return self.decoder.table or {1: self.max_verify}
+
     def verify_len_for(self, batch: int) -> int:
-        sizes = sorted(self.verify_lengths)
-        below = [b for b in sizes if b <= batch]
-        return self.verify_lengths[below[-1] if below else sizes[0]]
+        return self.decoder.length_for(batch)
 
     def _key(self, seed: int | None) -> np.ndarray:
         if seed is None:
@@ -584,8 +550,8 @@ class EngineCore:
         if entry is not None:
             row, prow = self._run(start_row, self.proposer, entry.row, entry.prow, jnp.int32(keep),
                                   capacity=self.cache_capacity)
-            self.cache, self.pstate = self._run(write_rows, self.cache, self.pstate, row, prow,
-                                                jnp.asarray([slot], jnp.int32))
+            self.state = self._run(write_rows, self.state, row, prow, jnp.asarray([slot], jnp.int32), RowStart.none(1),
+                                   self.stop_ids)  # fmt: skip
 
     def num_prefilling(self) -> int:
         return len(self.prefilling)
@@ -621,17 +587,24 @@ class EngineCore:
                 jnp.asarray([job.params.top_p for job in jobs], jnp.float32),
                 jnp.asarray([job.params.top_k for job in jobs], jnp.int32),
             )
-            self.cache, self.pstate = self._run(write_rows, self.cache, self.pstate, batch, pbatch, slot_ids)
+            start = RowStart(
+                finishes=jnp.asarray([done[s] + n == len(job.prompt) for s, job, n in zip(rows, jobs, counts)]),
+                first=first, remaining=jnp.asarray([job.max_new_tokens - 1 for job in jobs], jnp.int32),
+                key_data=jnp.asarray(np.stack([job.loop_key for job in jobs])),
+                sampling=Sampling(*(jnp.asarray([getattr(job.params, name) for job in jobs], dtype) for name, dtype
+                                    in (("temperature", jnp.float32), ("top_p", jnp.float32), ("top_k", jnp.int32)))),
+            )  # the rows whose prompt this chunk ends decode from the next step
+            self.state = self._run(write_rows, self.state, batch, pbatch, slot_ids, start, self.stop_ids)
         except ProgramError as e:  # raised before the program ran: the slots' caches are intact
             e.slots = rows
             raise
-        first = np.asarray(jax.device_get(first))
+        first_host = np.asarray(jax.device_get(first))
         finished = {}
         for i, (s, job) in enumerate(zip(rows, jobs)):
             job.fresh = False
             self.lengths[s] += int(counts[i])
             if self.lengths[s] == len(job.prompt):
-                finished[s] = self._start_decoding(s, self.prefilling.pop(s), int(first[i]))
+                finished[s] = self._start_decoding(s, self.prefilling.pop(s), int(first_host[i]))
             elif self._chunk_snapshots:
                 self._prefix_snapshot(job.prompt[: self.lengths[s]], batch, pbatch, i)
         return finished
@@ -652,16 +625,8 @@ class EngineCore:
 
     def _start_decoding(self, slot: int, job: Prefill, first: int) -> tuple[int, str | None]:
         """The slot's prompt is in its caches and ``first`` sampled: it runs from the next step."""
-        params = job.params
         self.history[slot] = job.prompt + [first]
-        self.anchor[slot] = first
-        self.remaining[slot] = job.max_new_tokens - 1
-        self.key_data[slot] = job.loop_key
-        self.temperature[slot] = params.temperature
-        self.top_p[slot] = params.top_p
-        self.top_k[slot] = params.top_k
-        fresh = adaptive.init_state(1, self.max_verify)
-        self.stats = jax.tree.map(lambda a, f: _set_row(a, slot, f[0]), self.stats, jax.device_get(fresh))
+        self.temperature[slot] = job.params.temperature
         reason = "stop" if first in self.stop_set else "length" if job.max_new_tokens <= 1 else None
         self.running[slot] = reason is None
         return first, reason
@@ -710,10 +675,9 @@ class EngineCore:
         self.prefilling.pop(slot, None)
         self.running[slot] = False
         self.occupied[slot] = False
-        self.remaining[slot] = 0
         self.lengths[slot] = 0
-        self.temperature[slot], self.top_p[slot], self.top_k[slot] = 0.0, 1.0, 0
-        self.cache, self.pstate = self._run(reset_slot, self.cache, self.pstate, jnp.int32(slot))
+        self.temperature[slot] = 0.0
+        self.state = self._run(reset_slot, self.proposer, self.state, jnp.int32(slot))
 
     def step(self, rounds: int | None = None) -> StepResult:
         """Up to ``rounds`` rounds (default ``max_rounds``) for every running slot in one device call."""
@@ -722,123 +686,53 @@ class EngineCore:
 
     def launch(self, rounds: int | None = None) -> PendingStep | None:
         """Dispatch a step (``step``'s first half) without waiting for it: the host can stream the previous
-        step's tokens while the device runs this one. Until ``collect``, the slots' caches are the step's
-        (future) outputs and no slot may be admitted or released. None: no slot runs."""
+        step's tokens while the device runs this one. Until ``collect``, the slots' state is the step's
+        (future) output and no slot may be admitted or released. None: no slot runs."""
         active = self.running.copy()
         n = int(active.sum())
         if n == 0:
             return None
         self._fit(self._highest_occupied(), self._needed_positions())  # grows as rows advance, shrinks after releases
         r = self.rows
-        policy, t = self.policy_for(n, r)
-        chosen = t is None  # by the policy (else fixed, warmup's or calibration's)
-        calibrating = not chosen and bool(self.candidates) and self._forced_length is None
-        probe = False
-        if chosen:  # the policy's choice at the end of the previous step (first step: chosen here)
-            if self._next_length is None:
-                index, probe = adaptive.choose(
-                    policy, jax.tree.map(lambda a: a[:r], self.stats), active[:r], self.remaining[:r], 0)
-                self._next_length = (policy.lengths[int(index)], bool(probe))
-            t, probe = self._next_length
-            if not probe and r in self._estimates:  # a measured cost is corrected only by running its length
-                t = self._estimates[r].explore(t)
-        rounds = self.max_rounds if rounds is None else max(1, min(rounds, self.max_rounds))
-        rounds = 1 if probe else rounds  # a probe is one round; the policy decides again after it
-        # Greedy slots probe by a peek: a plain round plus a one-token draft (sampled ones verify 2 tokens).
-        greedy = not np.any(active[:r] & (self.temperature[:r] > 0))
-        peek = adaptive.peeks(t, probe, greedy)
-        t = 1 if peek else t
-        args = (self.target, self.proposer, self.cache, self.pstate, jnp.asarray(self.anchor[:r]), jnp.asarray(active[:r]),
-                jnp.asarray(self.remaining[:r]), jnp.asarray(self.key_data[:r]), jnp.asarray(self.temperature[:r]),
-                jnp.asarray(self.top_p[:r]), jnp.asarray(self.top_k[:r]), self.stop_ids, jnp.int32(rounds),
-                policy, jax.tree.map(lambda a: a[:r], self.stats))
-        static = dict(verify_len=t, max_rounds=self.max_rounds, peek=peek)
-        program = self.programs.compiled(step, args, static)  # (one key per step: the caches are flattened once)
-        if program is None and (t, peek) != (1, False) and self._forced_length is None and self._warmer is not None:
-            # compiled in the background, first in line; plain rounds meanwhile
-            self._warmer.want(self._planned_step(r, self.cache_capacity, t, peek))
-            t, peek, chosen, calibrating = 1, False, False, False
+        greedy = not np.any(active & (self.temperature > 0))  # (greedy slots probe by a peek)
+        state = self.state
+        plan = self.decoder.plan(n, r, state.stats, state.running, state.remaining, greedy=greedy,
+                                 max_rounds=self.max_rounds if rounds is None else max(1, min(rounds, self.max_rounds)))
+        args = (self.target, self.proposer, state, self.stop_ids, jnp.int32(plan.rounds), plan.policy)
+        static = dict(verify_len=plan.length, max_rounds=self.max_rounds, peek=plan.peek)
+        program = self.programs.compiled(step, args, static)  # (one key per step: the state is flattened once)
+        drafted = (plan.length, plan.peek) != (1, False)
+        if program is None and drafted and self.decoder.forced_length is None and self._warmer is not None:
+            # compiled in the background, first in line; plain rounds meanwhile (exact all the same)
+            self._warmer.want(self._planned_step(r, self.cache_capacity, plan.length, plan.peek))
+            plan = dataclasses.replace(plan, length=1, peek=False, chosen=False, calibrating=False)
             static = dict(static, verify_len=1, peek=False)
             program = self.programs.compiled(step, args, static)
         with use_mesh(self.mesh):
             if program is None:  # compiled now, before the clock starts
                 program = self.programs.get(step, args, static)
             start = time.perf_counter()
-            self.cache, self.pstate, *outputs = program(*args)
-        return PendingStep(outputs, active, n, r, t, peek, policy, chosen, calibrating, start)
+            self.state, transcript, choice = program(*args)
+        return PendingStep(transcript, choice, active, n, r, plan, start)
 
     def collect(self, pending: PendingStep) -> StepResult:
-        """Wait for a launched step and replay its rounds on the host mirror (``step``'s second half)."""
-        emitted, n_keep, _, hit_stop, done, key_next, stats, choice, probe = jax.device_get(pending.outputs)
-        r, t, active, policy = pending.rows, pending.length, pending.active, pending.policy
+        """Wait for a launched step: its tokens per slot, the slots it finished (read back from the device)."""
+        transcript, choice, running = jax.device_get((pending.transcript, pending.choice, self.state.running))
         seconds = time.perf_counter() - pending.start
-        if pending.calibrating and int(done):
-            self._record_cost(r, t, seconds / int(done))
-        elif pending.chosen and r in self._estimates and not pending.peek:
-            self._estimates[r].observe(t, seconds, int(done))
-        self._next_length = (policy.lengths[int(choice)], bool(probe)) if pending.chosen else None
-        self.stats = jax.tree.map(lambda a, b: _set_rows(a, b), self.stats, stats)
-        self.key_data[:r] = np.asarray(key_next, np.uint32)
-        tokens, finished, accepted = {int(i): [] for i in np.flatnonzero(active)}, {}, []
-        for j in range(int(done)):  # replay the rounds on the host mirror, in order
-            for i in tokens:
-                if i in finished:
-                    continue  # the device stopped this row too
-                k = int(n_keep[j, i])
-                new = [int(x) for x in emitted[j, i, :k]]
-                tokens[i] += new
-                self.history[i] += new
-                accepted.append(k)
-                if k:
-                    self.anchor[i] = new[-1]
-                self.remaining[i] -= k
-                self.lengths[i] += k
-                if hit_stop[j, i]:
-                    finished[i] = "stop"
-                elif self.remaining[i] <= 0:
-                    finished[i] = "length"
-                if i in finished:
-                    self.running[i] = False
-        return StepResult(tokens, finished, accepted, pending.n, [t] * int(done))
-
-    # -- adaptive verification
-    def policy_for(self, batch: int, rows: int) -> tuple[VerifyPolicy, int | None]:
-        """The step's verify policy and the length the step must run at, if it is fixed: a fixed verify
-        length, a length warmup compiles, or, while the row bucket's costs are being measured, the length
-        with the fewest samples (every length is exact, so live steps can measure). None: the policy's."""
-        if not self.candidates:
-            t = self._forced_length or self.verify_len_for(batch)
-            return adaptive.fixed_policy(t), t
-        unit = self._unit_policy
-        if self._forced_length is not None:
-            return unit, self._forced_length
-        costs = self.costs.get(rows)
-        if costs is None:
-            costs, segments = adaptive.load_cost_entry(self._costs_key(rows)) or (None, None)
-            if costs is not None:
-                self.costs[rows] = costs
-                self._estimates[rows] = adaptive.CostEstimate(costs, segments)
-        if rows in self._estimates:
-            costs = self._estimates[rows].current()
-        if costs is not None:
-            return adaptive.make_policy(self.candidates, costs), None
-        samples = self._cost_samples.setdefault(rows, {t: [] for t in self.candidates})
-        return unit, min(self.candidates, key=lambda t: len(samples[t]))
-
-    def _costs_key(self, rows: int) -> str:
-        return adaptive.costs_key(self.target, f"engine|{proposer_tag(self.proposer)}", rows, self.candidates)
-
-    def _record_cost(self, rows: int, length: int, seconds_per_round: float) -> None:
-        """One measured step (the first at each length is dropped: it may include compilation); once every
-        length has ``COST_SAMPLES``, the medians become the row bucket's costs, also stored on disk."""
-        samples = self._cost_samples[rows]
-        samples[length].append(seconds_per_round)
-        if all(len(v) > COST_SAMPLES for v in samples.values()):
-            costs = {t: float(np.median(v[1:])) for t, v in samples.items()}
-            segments = {t: len(v) - 1 for t, v in samples.items()}
-            self.costs[rows] = costs
-            self._estimates[rows] = adaptive.CostEstimate(costs, segments)
-            adaptive.store_costs(self._costs_key(rows), costs, segments)
+        done = int(transcript.iterations)
+        self.decoder.observe(pending.rows, pending.plan, seconds, done, choice if pending.plan.chosen else None)
+        tokens, finished, accepted = {}, {}, []
+        for i in np.flatnonzero(pending.active):
+            i = int(i)
+            new = transcript.tokens[i, : transcript.written[i]].tolist()
+            tokens[i] = new
+            self.history[i] += new
+            self.lengths[i] += len(new)
+            accepted += transcript.kept[i, : transcript.rounds[i]].tolist()
+            if not running[i]:
+                finished[i] = "stop" if transcript.stopped[i] else "length"
+        self.running[: pending.rows] = running
+        return StepResult(tokens, finished, accepted, pending.n, [pending.plan.length] * done)
 
     # -- programs: compiled on demand, or ahead (warmup) from abstract shapes
     def _run(self, fn: Callable, *args: Any, **static: Any) -> Any:
@@ -846,13 +740,13 @@ class EngineCore:
         with use_mesh(self.mesh):
             return self.programs.run(fn, *args, **static)
 
-    def _abstract_caches(self, rows: int, capacity: int) -> tuple[Any, Any]:
-        """The slots' caches at ``rows`` × ``capacity`` as ``ShapeDtypeStruct``s, as ``refit`` makes them."""
+    def _abstract_state(self, rows: int, capacity: int) -> DecodeState:
+        """The slots' state at ``rows`` × ``capacity`` as ``ShapeDtypeStruct``s, as ``refit`` makes it."""
         key = (rows, capacity)
         if key not in self._cache_specs:
             with use_mesh(self.mesh):
                 spec = jax.eval_shape(functools.partial(refit, rows=rows, capacity=capacity), self.target,
-                                      self.proposer, *self._base_spec)
+                                      self.proposer, self._base_spec)
             if self.mesh is not None:  # a leaf's layout does not depend on the bucket (rows split over data)
                 spec = jax.tree.map(lambda a, b: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=b.sharding),
                                     spec, self._base_spec)
@@ -860,21 +754,18 @@ class EngineCore:
         return self._cache_specs[key]
 
     def _planned_step(self, rows: int, capacity: int, t: int, peek: bool) -> Planned:
-        cache, pstate = self._abstract_caches(rows, capacity)
-        policy = adaptive.fixed_policy(t) if not self.candidates else self._unit_policy
-        stats = jax.tree.map(lambda a: _spec((rows,) + a.shape[1:], a.dtype), self.stats)
-        args = (self.target, self.proposer, cache, pstate, _spec((rows,), jnp.int32), _spec((rows,), bool),
-                _spec((rows,), jnp.int32), _spec((rows, 2), jnp.uint32), _spec((rows,), jnp.float32),
-                _spec((rows,), jnp.float32), _spec((rows,), jnp.int32), self.stop_ids, _spec((), jnp.int32),
-                policy, stats)
+        args = (self.target, self.proposer, self._abstract_state(rows, capacity), self.stop_ids,
+                _spec((), jnp.int32), self.decoder.policy(t))
         what = "peek" if peek else f"verify {t}"
         return Planned(f"step ({what}, {rows} rows, capacity {capacity})", step, args,
                        dict(verify_len=t, max_rounds=self.max_rounds, peek=peek))
 
     def _planned_prefill(self, rows: int, capacity: int, size: int, width: int) -> list[Planned]:
         """The programs of one prefill call: ``size`` prompts' chunks of ``width`` into ``rows`` × ``capacity``."""
-        cache, pstate = self._abstract_caches(rows, capacity)
+        state = self._abstract_state(rows, capacity)
+        cache, pstate = state.cache, state.proposer_state
         slots = _spec((size,), jnp.int32)
+        start = jax.eval_shape(functools.partial(RowStart.none, size))
         read = (self.target, self.proposer, cache, pstate, slots, _spec((size,), bool))
         with use_mesh(self.mesh):
             batch = jax.eval_shape(read_rows, *read)
@@ -883,7 +774,7 @@ class EngineCore:
                 _spec((size,), jnp.int32))
         where = f"{size} × {width} tokens, {rows} rows, capacity {capacity}"
         planned = [Planned(f"prefill ({where})", read_rows, read), Planned(f"prefill ({where})", prefill_rows, fill),
-                   Planned(f"prefill ({where})", write_rows, (cache, pstate, *batch, slots))]
+                   Planned(f"prefill ({where})", write_rows, (state, *batch, slots, start, self.stop_ids))]
         if self._chunk_snapshots:
             planned.append(Planned(f"prefix snapshot ({where})", take_row, (*batch, _spec((), jnp.int32))))
         return planned
@@ -893,19 +784,17 @@ class EngineCore:
         plain decoding at the smallest buckets needs (what ``lazy`` warmup compiles before serving): one
         request at a time before several, short contexts before long, plain rounds before drafted ones
         (a verify length whose program is not compiled yet runs as plain rounds meanwhile)."""
-        lengths = self.candidates or sorted(set(self.verify_lengths.values()))
-        drafted = [(t, peek) for t, peek in adaptive.programs(lengths, greedy_probes=bool(self.candidates))
-                   if (t, peek) != (1, False)]
+        programs = self.decoder.programs(greedy=True)
+        drafted = [(t, peek) for t, peek in programs if (t, peek) != (1, False)]
         drafted.sort(key=lambda p: (not p[1], p[0] == adaptive.PROBE_LENGTH, p[0]))  # peek, then 4, 8, …, 2
-        plain = [] if 1 not in lengths else [(1, False)]
+        plain = [] if (1, False) not in programs else [(1, False)]
         plan: list[Planned] = []
         first = True
         for rows in self.row_buckets:
             for capacity in self.capacity_buckets:
-                cache, pstate = self._abstract_caches(rows, capacity)
                 widths = [w for w in self.prompt_widths if w <= capacity]
                 plan.append(Planned(f"release ({rows} rows, capacity {capacity})", reset_slot,
-                                    (cache, pstate, _spec((), jnp.int32))))
+                                    (self.proposer, self._abstract_state(rows, capacity), _spec((), jnp.int32))))
                 plan += self._planned_prefill(rows, capacity, 1, widths[0])
                 plan += [self._planned_step(rows, capacity, t, peek) for t, peek in plain or drafted[:1]]
                 if first:
@@ -958,125 +847,22 @@ class EngineCore:
                 "program_compiles_by_function": dict(stats.by_name)}
 
     def close(self) -> None:
-        """Stop the background warmup (the server's shutdown)."""
+        """Stop the background warmup and keep the costs decoding measured (the server's shutdown)."""
+        self.decoder.store()
         if self._warmer is not None:
             self._warmer.stop(join=True)
             atexit.unregister(self._warmer.stop)  # (it held the engine, and so its weights, until exit)
 
 
-WARMUP_MODES = ("full", "lazy", "none")
 RESIZES = ("refit", "start_row")  # compiled when first needed, also after a full warmup (a pair of buckets each)
 
 
 def serving_programs(core: EngineCore) -> dict[str, int]:
     """Compilations per program, less the resizes: what a full warmup leaves nothing to add to."""
     return {k: v for k, v in core.programs.stats.by_name.items() if k not in RESIZES}
-BACKGROUND_SHARE = 0.75  # the background warmup stops at this share of the program and memory-map budgets
-
-
 def _spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
 
-@dataclasses.dataclass
-class Planned:
-    """A program to compile ahead: ``fn(*args, **static)`` with abstract ``args``."""
-
-    label: str
-    fn: Callable
-    args: tuple
-    static: dict = dataclasses.field(default_factory=dict)
-
-
-class Warmer(threading.Thread):
-    """Compiles an engine's planned programs in order: the first ones in the calling thread (``ahead``), the
-    rest in the background (``start``) while the engine serves. ``want`` puts a program traffic needs now
-    in front of the plan. The plan stops at ``BACKGROUND_SHARE`` of the budgets, so it never evicts what
-    traffic compiled; wanted programs compile whatever the budget (the least recently used one goes)."""
-
-    def __init__(self, core: EngineCore, plan: list[Planned], progress: Callable[[str], None] | None):
-        super().__init__(name="dspine-warmup", daemon=True)
-        self.core, self.progress = core, progress
-        self.plan = collections.deque(plan)
-        self.wanted: collections.deque[Planned] = collections.deque()
-        self.planned, self.compiled = len(plan), 0
-        self.cond = threading.Condition()
-        self.stopping = False
-        self.busy = False  # compiling an item taken off the queues
-
-    def want(self, item: Planned) -> None:
-        with self.cond:
-            if all(self.core.programs.key(w.fn, w.args, w.static) != self.core.programs.key(item.fn, item.args, item.static)
-                   for w in self.wanted):
-                self.wanted.append(item)
-            self.cond.notify_all()
-
-    def start(self) -> None:
-        atexit.register(self.stop, join=True)  # an interpreter must not exit under a running XLA compile
-        super().start()
-
-    def stop(self, join: bool = False) -> None:
-        """Stop after the program being compiled (``join``: wait for it)."""
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-        if join and self.is_alive() and threading.current_thread() is not self:
-            self.join()
-
-    def _full(self, share: float) -> bool:
-        programs = self.core.programs
-        if programs.max_programs is not None and len(programs) >= share * programs.max_programs:
-            return True
-        maps = memory_maps() if programs.max_maps is not None else None
-        return maps is not None and maps >= share * programs.max_maps
-
-    def _compile(self, item: Planned, planned: bool) -> None:
-        programs = self.core.programs
-        if programs.ready(item.fn, item.args, item.static):
-            return
-        start = time.perf_counter()
-        try:
-            with use_mesh(self.core.mesh):
-                programs.get(item.fn, item.args, item.static)
-        except ProgramError as e:  # serving compiles it again when needed, and fails that request
-            if self.progress:
-                self.progress(f"warmup: {e}")
-            return
-        self.compiled += planned
-        if self.progress:
-            count = f" [{self.compiled}/{self.planned}]" if planned else " (needed now)"
-            self.progress(f"compiled {item.label}: {item.fn.__name__} in {time.perf_counter() - start:.1f}s{count}")
-
-    def ahead(self, count: int) -> None:
-        """Compile the next ``count`` planned programs in this thread, within the whole budget."""
-        for _ in range(count):
-            if not self.plan or self._full(1.0):
-                break
-            self._compile(self.plan.popleft(), planned=True)
-
-    def run(self) -> None:
-        """The background: wanted programs first, then the plan while under ``BACKGROUND_SHARE`` of the budget."""
-        while True:
-            with self.cond:
-                while not self.stopping and not self.wanted and not self.plan:
-                    self.cond.wait()
-                if self.stopping:
-                    return
-                wanted = bool(self.wanted)
-                item = self.wanted.popleft() if wanted else self.plan.popleft()
-                self.busy = True
-            if not wanted and self._full(BACKGROUND_SHARE):
-                with self.cond:
-                    self.plan.clear()
-                if self.progress:
-                    programs = self.core.programs
-                    self.progress(f"warmup stops at {len(programs)} programs (budget {programs.max_programs} "
-                                  f"programs, {programs.max_maps} memory maps); the rest compile when first needed")
-                self.busy = False
-                continue
-            self._compile(item, planned=not wanted)
-            if not wanted and not self.plan and self.progress:
-                report = process_report()
-                self.progress(f"warmup done: {len(self.core.programs)} programs held, {report['maps']} memory "
-                              f"maps, {(report['rss_bytes'] or 0) / 2**30:.1f} GiB resident")
-            self.busy = False
+def _abstract(x: Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)

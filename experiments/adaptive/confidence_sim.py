@@ -42,7 +42,7 @@ from policy_sim import (  # this folder is on sys.path when run
 
 from dspine_jax import bench
 from dspine_jax.decoding import adaptive, speculative
-from dspine_jax.decoding.speculative import DrafterProposer
+from dspine_jax.drafters.proposer import DrafterProposer
 
 
 def expected(conf_row: np.ndarray, t: int, budget: int) -> float:

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 
 from dspine_jax.bench import median_seconds
 from dspine_jax.decoding import speculative as spec
-from dspine_jax.models.sampling import Sampling
+from dspine_jax.decoding.proposers import as_proposer
 from dspine_jax.drafters import drafter as dr
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models import target as tgt
+from dspine_jax.models.sampling import Sampling
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     target = tgt.load_target(args.model)
     drafter = load_draft(args.draft, target)
-    proposer = spec.as_proposer(drafter)
+    proposer = as_proposer(drafter)
     n = args.context
     tokens = jnp.asarray([list(range(100, 100 + n))], jnp.int32)
     cache, state, first = spec.prefill(target, proposer, tokens, jnp.asarray([n], jnp.int32), jax.random.key(0),
@@ -74,7 +75,7 @@ def main() -> None:
             jax.jit(lambda s, a, k: proposer.propose(target, s, a, jnp.ones((1,), jnp.int32), k, sampling, num)),
             state, anchor, keys)
     tapped = jnp.zeros((len(proposer.taps), 1, 8, target.config.hidden_size), jnp.float32)
-    rows["context append (8 tokens)"] = timed(jax.jit(lambda s, x: proposer.commit(target, s, x, jnp.asarray([8]))), state, tapped)
+    rows["context append (8 tokens)"] = timed(jax.jit(lambda s, x: proposer.commit(target, s, None, x, jnp.asarray([8]))), state, tapped)
     base = rows["target verify T=1 (+ logits, argmax)"]
     print(f"{jax.devices()[0].device_kind}; context {n}; ms (median of 30) and × a plain step")
     for name, ms in rows.items():

@@ -21,10 +21,13 @@ from dspine_jax.bench import load_heldout_prompts, select_prompts
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding import speculative as spec
 from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.decoder import run_segment
+from dspine_jax.decoding.proposers import NoProposer, as_proposer
 from dspine_jax.drafters.io import load_draft
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import load_target
 from dspine_jax.models.tokenizer import load_tokenizer
-from dspine_jax.train.data import encode_messages
+from dspine_jax.train.prompts import encode_messages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,18 +36,17 @@ def plain_rounds(target, proposer, prompt: list[int], n: int, peek: bool = False
     """Decode seconds of ``n`` T = 1 rounds of the speculative loop (one segment, prefill excluded); ``peek``:
     every round a peek (a plain round plus a one-token draft)."""
     rows, capacity, tokens, lengths, stops = spec.plan_request(target, [prompt], n, 0.0, 1.0, 0, [])
-    t_max = max(adaptive.candidate_lengths(spec.proposer_block(proposer)))
+    t_max = max(adaptive.candidate_lengths(proposer.block_limit))
     key = jax.random.key(0)
     cache, state, first = spec.prefill(target, proposer, tokens, lengths, key, jnp.float32(1.0), jnp.float32(1.0),
                                        capacity=capacity + t_max, top_k=0, greedy=True)
     stop = jnp.full((spec.STOP_BUCKET,), -1, jnp.int32)
-    carry = spec.start_loop(cache, state, first, key, jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0), stop,
-                            jnp.int32(n), out_width=spec.round_up(n, spec.TOKEN_BUCKET), max_verify=t_max)
+    carry = spec.begin(cache, state, first, key, Sampling.rows(1), stop, jnp.int32(n), max_verify=t_max,
+                       out_width=spec.round_up(n, spec.TOKEN_BUCKET))
     policy = adaptive.fixed_policy(1)
     carry = jax.block_until_ready(carry)
     begin = time.perf_counter()
-    out = spec.loop_segment(target, proposer, carry, stop, jnp.int32(n), policy, verify_len=1, greedy=True,
-                           peek=peek)
+    out = run_segment(target, proposer, *carry, stop, jnp.int32(n), policy, verify_len=1, greedy=True, peek=peek)
     jax.block_until_ready(out)
     return time.perf_counter() - begin
 
@@ -63,12 +65,12 @@ def main() -> None:
     held = load_heldout_prompts(args.model, ROOT / "experiments/data/smollm2-v2")
     prompts = [p.ids for p in select_prompts({args.domain: held[args.domain]}, args.prompts,
                                              lambda m: encode_messages(tok, m))]
-    trained = spec.as_proposer(load_draft(args.draft, target))
-    untrained = spec.as_proposer(load_draft("init:dspine", target))  # as bench's ours+init:dspine
+    trained = as_proposer(load_draft(args.draft, target))
+    untrained = as_proposer(load_draft("init:dspine", target))  # as bench's ours+init:dspine
     n = args.tokens
     systems = {  # each → (decode seconds, prefill + decode seconds or None)
         "ar": lambda p: seconds(generate(target, [p], n, stop_ids=[])),
-        "T=1 loop (no drafter)": lambda p: (plain_rounds(target, spec.NoProposer(), p, n), None),
+        "T=1 loop (no drafter)": lambda p: (plain_rounds(target, NoProposer(), p, n), None),
         "T=1 loop (trained drafter state)": lambda p: (plain_rounds(target, trained, p, n), None),
         "auto, init:dspine": lambda p: seconds(spec.speculative_generate(target, untrained, [p], n, stop_ids=[])),
         "auto, trained drafter": lambda p: seconds(spec.speculative_generate(target, trained, [p], n, stop_ids=[])),

@@ -4,7 +4,7 @@ Under greedy decoding the committed text is AR's output whatever lengths the rou
 proposals verification accepts at position ``p`` depends on ``p`` alone: ``accept[p]`` = leading
 proposals of a full block drafted after ``y[:p]`` (anchor ``y[p]``) that equal ``y[p+1:]``. One batched
 pass per prompt (every prefix a row) gives the whole trace; any policy then replays exactly on the host
-(``simulate``, the segment structure of ``speculative.adaptive_decode``, with ``adaptive.choose`` and
+(``simulate``, the segment structure of ``decoder.Decoder``, with ``adaptive.choose`` and
 ``adaptive.update`` themselves) with seconds per round at each length measured by fixed-length loops in
 the same run. The seconds are the model's, so the ratios between policies are what this measures, not
 wall time.
@@ -30,11 +30,12 @@ import numpy as np
 from dspine_jax import bench
 from dspine_jax.decoding import adaptive, speculative
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.models.sampling import Sampling
-from dspine_jax.decoding.speculative import DrafterProposer, speculative_generate
+from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import drafter as drafter_mod
 from dspine_jax.drafters.io import load_drafter
+from dspine_jax.drafters.proposer import DrafterProposer
 from dspine_jax.models.hub import resolve_model_dir
+from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import load_target
 
 ROWS = 16  # prefixes per batched pass

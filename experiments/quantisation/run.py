@@ -24,11 +24,11 @@ import numpy as np
 from dspine_jax.bench import load_heldout_prompts, median_seconds, select_prompts
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.models import quant
+from dspine_jax.models import target as tgt
 from dspine_jax.models.cache import quantize_kv
 from dspine_jax.models.layers import cached_attention
-from dspine_jax.models import target as tgt
 from dspine_jax.models.tokenizer import load_tokenizer
-from dspine_jax.train.data import encode_messages
+from dspine_jax.train.prompts import encode_messages
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

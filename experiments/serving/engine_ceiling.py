@@ -24,9 +24,9 @@ from jax.experimental import io_callback
 from load import FALLBACK_PROMPTS
 
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.speculative import DrafterProposer
 from dspine_jax.drafters.drafter import DraftOutput
 from dspine_jax.drafters.io import load_draft
+from dspine_jax.drafters.proposer import DrafterProposer
 from dspine_jax.models.target import load_target
 from dspine_jax.models.tokenizer import load_tokenizer
 from dspine_jax.serve.engine import EngineCore

@@ -50,17 +50,17 @@ _INFO = 8  # int32 scalars per row: lengths, ring base, newest slot, first tile,
 
 
 # ----------------------------------------------------------------------------------------------
-# Reference (pure jnp; identical ops to drafter._visible + drafter._block_attention)
+# Reference (pure jnp; the XLA path the dispatcher falls back to)
 
 
 def ring_positions(lengths: Array, capacity: int) -> Array:
-    """Absolute position held by each ring slot ``[B, S]`` (negative = empty) — drafter.context_slot_positions."""
+    """Absolute position held by each ring slot ``[B, S]`` (negative = empty) — ring.context_slot_positions."""
     last = lengths[:, None] - 1  # [B, 1]
     return last - jnp.mod(last - jnp.arange(capacity)[None, :], capacity)
 
 
 def visible_mask(lengths: Array, capacity: int, t: int, window: int, causal: bool) -> Array:
-    """``[B, T, S + T]`` bool: which [ring slots ; block] keys each block query sees (drafter._visible)."""
+    """``[B, T, S + T]`` bool: which [ring slots ; block] keys each block query sees."""
     key_pos = ring_positions(lengths, capacity)  # [B, S]
     query_pos = lengths[:, None] + jnp.arange(t)  # [B, T]
     ctx = jnp.broadcast_to((key_pos >= 0)[:, None, :], (key_pos.shape[0], t, key_pos.shape[1]))
