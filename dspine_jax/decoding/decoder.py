@@ -299,10 +299,6 @@ class Decoder:
         self._unit = adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0)) if self.candidates else None
         self._buckets: dict[int, _Bucket] = {}
 
-    @property
-    def adaptive(self) -> bool:
-        return bool(self.candidates)
-
     def programs(self, greedy: bool) -> list[tuple[int, bool]]:
         """``(verify length, peek)`` of every segment program a run may use (peeks where probes may be greedy)."""
         if not self.candidates:
@@ -412,11 +408,6 @@ class Decoder:
             entry.next = None
         else:
             entry.next = (plan.policy.lengths[int(choice.index)], bool(choice.probe), int(choice.until_probe))
-
-    def forget_choice(self, bucket: int) -> None:
-        """The rows changed (admitted or released): the next segment chooses afresh."""
-        if bucket in self._buckets:
-            self._buckets[bucket].next = None
 
     def store(self) -> None:
         """Keep what decoding measured in the cost cache, for the next run."""

@@ -81,8 +81,11 @@ def speculative_round(
     b = state.anchor.shape[0]
     if peek and (t != 1 or not all_greedy):
         raise ValueError("a peek is a plain round (verify_len 1) of greedy rows")
-    split = split_rows(state.keys, 3)
-    key_next, key_draft, key_accept = split[:, 0], split[:, 1], split[:, 2]
+    if all_greedy:  # nothing is drawn: the keys stay as they are (a split per row per round is not free)
+        key_next = key_draft = key_accept = state.keys
+    else:
+        split = split_rows(state.keys, 3)
+        key_next, key_draft, key_accept = split[:, 0], split[:, 1], split[:, 2]
     sampling = state.sampling
     greedy = jnp.ones((b,), bool) if all_greedy else sampling.greedy
     # Greedy rows draft greedily and without filters (a filter never removes the argmax).
