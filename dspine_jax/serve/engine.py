@@ -661,7 +661,7 @@ class EngineCore:
             return  # a prompt cancelled while being prefilled is not kept
         row, prow = self._run(read_rows, self.target, self.proposer, self.cache, self.pstate,
                               jnp.asarray([slot], jnp.int32), jnp.asarray([False]))
-        ring_ok = prow is None or committed <= prow.capacity  # a ring that never wrapped truncates like K/V
+        ring_ok = committed <= getattr(prow, "capacity", committed)  # a ring that never wrapped truncates like K/V
         truncatable = bool(getattr(row, "prefix_truncatable", False)) and ring_ok
         self.prefix_cache.insert(self.history[slot][:committed], row, prow, truncatable)
 
