@@ -77,12 +77,11 @@ def generate_impl(
     statistical tests draw many samples with it). ``capacity`` is the physical cache size (planned +
     ``verify_len``)."""
     key_prefill, key_loop = jax.random.split(key)
-    cache, pstate, first = rnd.prefill(target, proposer, tokens, lengths, key_prefill, temperature, top_p,
-                                       capacity=capacity, top_k=top_k, greedy=greedy)  # fmt: skip
-    batch = tokens.shape[0]
-    state = rnd.start(cache, pstate, first, key_loop, Sampling.rows(batch, temperature, top_p, top_k), stop_ids,
-                      max_new_tokens, max_verify=verify_len)  # fmt: skip
-    transcript = Transcript.empty(batch, out_width + verify_len, out_width, first, stop_ids)
+    prefilled = rnd.prefill(target, proposer, tokens, lengths, key_prefill, temperature, top_p, capacity=capacity,
+                            top_k=top_k, greedy=greedy)  # fmt: skip
+    sampling = Sampling.rows(tokens.shape[0], temperature, top_p, top_k)
+    state, transcript = begin_impl(*prefilled, key_loop, sampling, stop_ids, max_new_tokens, max_verify=verify_len,
+                                   out_width=out_width)  # fmt: skip
     return decode_rounds(target, proposer, state, transcript, stop_ids, verify_len=verify_len, greedy=greedy,
                          track=False)[1]  # fmt: skip
 
@@ -156,17 +155,17 @@ def speculative_generate(
         calibration = decoder.calibrate(batch, measure)
 
     decode_start = time.perf_counter()
-    alive = bool(jnp.any(state.running))
-    while alive:  # host-driven: a segment at the chosen length, then the next choice
+    alive, done = bool(jnp.any(state.running)), 0
+    while alive:  # host-driven: a segment at the chosen length, then the next choice (one read-back each)
         plan = decoder.plan(batch, batch, state.stats, state.running, state.remaining, greedy=greedy)
-        segment_begin, done_before = time.perf_counter(), int(transcript.iterations)
+        segment_begin = time.perf_counter()
         state, transcript, choice = run_segment(target, proposer, state, transcript, stop_array,
                                                 jnp.int32(min(plan.rounds, out_width)), plan.policy,
                                                 verify_len=plan.length, greedy=greedy, peek=plan.peek)  # fmt: skip
-        choice = jax.device_get(choice)
+        choice, iterations = jax.device_get((choice, transcript.iterations))
         alive = bool(choice.alive)
-        decoder.observe(batch, plan, time.perf_counter() - segment_begin,
-                        int(transcript.iterations) - done_before, choice)  # fmt: skip
+        decoder.observe(batch, plan, time.perf_counter() - segment_begin, int(iterations) - done, choice)
+        done = int(iterations)
     transcript = jax.block_until_ready(transcript)
     decode_seconds = start_seconds + time.perf_counter() - decode_start
     decoder.store()

@@ -438,18 +438,10 @@ class EngineCore:
         """The target's cache of the slots (``R`` rows of the current capacity bucket)."""
         return self.state.cache
 
-    @cache.setter
-    def cache(self, cache: Any) -> None:
-        self.state = self.state.replace(cache=cache)
-
     @property
     def pstate(self) -> Any:
         """The proposer's state of the slots."""
         return self.state.proposer_state
-
-    @pstate.setter
-    def pstate(self, pstate: Any) -> None:
-        self.state = self.state.replace(proposer_state=pstate)
 
     def reset(self) -> None:
         """Drop every slot and rebuild the caches (after a failed step, whose donated buffers are gone)."""
