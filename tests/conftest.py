@@ -110,3 +110,14 @@ def _release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_priors():
+    """Each test starts its runs from nothing observed: ``speculative_generate`` carries acceptance statistics
+    from one run to the next of the same target and drafter (``adaptive.Prior``), which would make a test's
+    lengths depend on the tests before it."""
+    from dspine_jax.decoding.decoder import forget_priors
+
+    forget_priors()
+    yield

@@ -82,6 +82,29 @@ def test_choose_probes_after_the_wait_and_pins_override():
         adaptive.make_policy((1, 2), {1: 1.0, 2: 0.0})
 
 
+def test_carried_prior_pools_the_rows_that_drafted():
+    state = adaptive.PolicyState(
+        hits=jnp.array([[2.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+        tries=jnp.array([[4.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
+        idle=jnp.zeros((3,), jnp.int32), wait=jnp.array([8, 32, 4], jnp.int32),
+    )
+    prior = adaptive.carried(state, jnp.array([True, True, True]))  # row 2 never drafted: it adds nothing
+    scale = adaptive.CARRY_WEIGHT / 6.0  # the first slot's pooled tries (4 + 2) scaled to CARRY_WEIGHT
+    np.testing.assert_allclose(np.asarray(prior.hits), np.array([3.0, 1.0, 0.0]) * scale, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(prior.tries), np.array([6.0, 3.0, 0.0]) * scale, rtol=1e-6)
+    assert int(prior.wait) == 8  # the shortest wait of the rows that drafted, not row 2's fresh 4
+    only_row_1 = adaptive.carried(state, jnp.array([False, True, False]))
+    assert int(only_row_1.wait) == adaptive.CARRY_MAX_WAIT  # 32, capped
+    np.testing.assert_allclose(np.asarray(only_row_1.tries), [2.0, 1.0, 0.0])  # already within the weight
+    nothing = adaptive.carried(state, jnp.array([False, False, True]))
+    assert float(jnp.sum(nothing.tries)) == 0.0 and int(nothing.wait) == adaptive.FIRST_WAIT
+    # New rows start from the prior: their first slot's estimate is the pooled one, pulled to the coin flip.
+    rows = adaptive.init_state(2, 4, prior)
+    assert rows.hits.shape == (2, 3) and list(np.asarray(rows.wait)) == [8, 8]
+    expected = (3.0 * scale + adaptive.PRIOR_WEIGHT * adaptive.PRIOR_ACCEPT) / (adaptive.CARRY_WEIGHT + adaptive.PRIOR_WEIGHT)
+    np.testing.assert_allclose(np.asarray(adaptive.acceptance(rows))[:, 0], [expected] * 2, rtol=1e-6)
+
+
 def test_cost_estimate_refines_the_prior_with_decoded_rounds():
     estimate = adaptive.CostEstimate({1: 1.0, 2: 1.5, 4: 2.0})
     assert estimate.current() == {1: 1.0, 2: 1.5, 4: 2.0}
@@ -144,8 +167,15 @@ def test_cost_cache_round_trip_with_segments(tmp_path, monkeypatch):
     adaptive.store_costs("k", {1: 1.0, 2: 1.5}, {1: 4, 2: 7})
     assert adaptive.load_cost_entry("k") == ({1: 1.0, 2: 1.5}, {1: 4, 2: 7})
     assert adaptive.load_costs("k") == {1: 1.0, 2: 1.5}
-    (tmp_path / adaptive.COSTS_FILE).write_text(json.dumps({"old": {"1": 1.0, "4": 2.0}}))  # before the counts
-    assert adaptive.load_cost_entry("old") == ({1: 1.0, 4: 2.0}, {1: 0, 4: 0})
+    table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
+    calibrated = table["k"]["measured_at"]
+    adaptive.store_costs("k", {1: 1.1, 2: 1.4}, {1: 5, 2: 8})  # a refinement keeps the calibration's time
+    assert json.loads((tmp_path / adaptive.COSTS_FILE).read_text())["k"]["measured_at"] == calibrated
+    # A day-old calibration, or one written before entries were dated, is measured again.
+    assert adaptive.load_cost_entry("k", now=calibrated + adaptive.COSTS_MAX_AGE - 1) is not None
+    assert adaptive.load_cost_entry("k", now=calibrated + adaptive.COSTS_MAX_AGE + 1) is None
+    (tmp_path / adaptive.COSTS_FILE).write_text(json.dumps({"old": {"1": 1.0, "4": 2.0}}))  # undated
+    assert adaptive.load_cost_entry("old") is None
     assert adaptive.load_cost_entry("missing") is None
 
 
@@ -242,3 +272,19 @@ def test_a_prior_that_makes_one_length_look_cheap_is_explored_away(llama, tmp_pa
     assert ran.count(4) >= (adaptive.EXPLORE_SAMPLES + 1) * DECIDE_EVERY, ran
     _, segments = adaptive.load_cost_entry(key)
     assert segments[4] >= adaptive.EXPLORE_SAMPLES and segments[2] >= 1
+
+
+def test_a_run_starts_from_what_the_last_run_of_its_drafter_measured(llama):
+    """``speculative_generate`` carries the rows' acceptance to the next run of the same target and drafter: a
+    drafter that was never right starts the next run with plain rounds (not a drafted round on the coin flip),
+    one that was always right starts it at the longest block (not a probe at a middle length)."""
+    target, reference = llama
+    costs = {1: 1.0, 2: 1.3, 4: 1.5, 8: 1.9, 16: 2.6}  # on the coin flip a 4-token round pays, barely
+    never = [run_oracle(target, reference, [0] * 64, costs=costs) for _ in range(2)]
+    assert never[0][0] > 1, never[0]  # the first run drafts on the prior
+    assert never[1][: adaptive.FIRST_WAIT] == [1] * adaptive.FIRST_WAIT, never[1]  # the next one does not
+    assert sum(t > 1 for t in never[1]) < sum(t > 1 for t in never[0])
+    always = [run_oracle(target, reference, [99] * 64, costs=costs) for _ in range(2)]
+    assert always[0][0] < 16 and always[1][0] == 16, (always[0][:8], always[1][:8])
+    # Another drafter (here: the same oracle class with other weights) does not inherit it.
+    assert run_oracle(target, reference, [98] * 64, costs=costs)[0] == always[0][0]

@@ -28,7 +28,7 @@ from dspine_jax.models.family import TargetFamily, TargetForward, family_for, re
 from dspine_jax.train.loop import KIND_TRAINING, TrainConfig, eval_loss, kind_training, split_params
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"dspine_jax": "dspine_jax", "dspine_jax.pallas": "kernels/pallas"}  # import name → folder (pyproject)
+PACKAGES = {"dspine_jax": "dspine_jax", "dspine_jax.pallas": "kernels/pallas", "dspine_jax.cpu_kernels": "kernels/cpu"}  # import name → folder (pyproject)
 # Imported where they are used, not at a module's top: optional extras (torch, matplotlib, the training
 # prompt sources), transformers (seconds to import; only tokenizing needs it), gguf (only the one-time
 # SmolLM2 conversion) and filelock (optional by design: hub works without it).

@@ -17,6 +17,7 @@ from dspine_jax.drafters.config import DrafterConfig, config_as_kind
 from dspine_jax.drafters.dspine import SPINE, transfer_codes_from_head
 from dspine_jax.drafters.io import init_drafter
 from dspine_jax.drafters.ring import init_draft_cache
+from dspine_jax.models import quant
 from dspine_jax.models.sampling import Sampling
 
 BLOCK = 5
@@ -124,7 +125,7 @@ def test_walk_depends_on_predecessor_and_sampling_is_seeded(trained_dspine):
 
 def test_transfer_codes_properties(qwen3_target):
     target, hf_target = qwen3_target
-    head = target.params.lm_head  # [H, V]
+    head = quant.dequantize(target.params.lm_head)  # [H, V] (packed on a CPU)
     codes, directions = transfer_codes_from_head(head, RANK, chunk=48)  # chunking with a padded tail
     np.testing.assert_allclose(np.linalg.norm(np.asarray(codes), axis=-1), 1.0, atol=1e-5)
     again, _ = transfer_codes_from_head(head, RANK, chunk=48)

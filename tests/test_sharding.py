@@ -178,11 +178,12 @@ def test_uneven_heads_fall_back_to_replicated_attention(tiny_models):
 def test_gdn_conv_channels_split_by_heads(models):
     """A hybrid's Gated-DeltaNet q|k|v conv channels are regrouped so each model shard holds its own key
     and value heads; regrouping there and back is the identity."""
-    from dspine_jax.models import gdn
+    from dspine_jax.models import gdn, panels
 
     target, *_ = models["hybrid"]
     c = target.config
-    layer = next(lp.mixer for lp in target.params.layers if isinstance(lp.mixer, gdn.GdnParams))
+    params = panels.unpack_params(target.params)  # raw layouts (a CPU target's matrices come packed)
+    layer = next(lp.mixer for lp in params.layers if isinstance(lp.mixer, gdn.GdnParams))
     back = gdn.regroup(gdn.regroup(layer, c.linear_num_key_heads, 4), c.linear_num_key_heads, 1)
     np.testing.assert_array_equal(np.asarray(back.qkv), np.asarray(layer.qkv))
     np.testing.assert_array_equal(np.asarray(back.conv), np.asarray(layer.conv))

@@ -6,7 +6,8 @@ Two parts, both small:
 * **Cost model**: seconds per round at each candidate ``T`` on this device, ``T = 1``
   being a plain decode step without drafting. ``decoder.Calibration`` measures it once per
   (device, target, proposer, batch bucket) by running the real loop pinned to each ``T``;
-  ``load_costs`` / ``store_costs`` keep it in ``<cache>/verify_costs.json``. While decoding,
+  ``load_costs`` / ``store_costs`` keep it in ``<cache>/verify_costs.json`` (re-measured after
+  ``COSTS_MAX_AGE``). While decoding,
   ``CostEstimate`` refines it with the rounds actually run (a short calibration is noisy on a shared
   machine, and the load changes while decoding). A cost can only be corrected by running its length,
   so while drafting pays the neighbours of the chosen length that few segments have timed (this run
@@ -23,6 +24,14 @@ Two parts, both small:
   Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``round.speculative_round(peek=True)``):
   a plain round plus a one-token draft, recorded as the round at ``PROBE_LENGTH`` it stands for, so a
   probe costs a draft rather than a wider verify.
+* **Carried prior** (``Prior``): a request does not start from the coin flip when earlier requests of the
+  process ran the same target and drafter: its rows start from what those requests' rows measured (``carried``:
+  their pooled counts, scaled to ``CARRY_WEIGHT`` observations, and their shortest probe wait, capped at
+  ``CARRY_MAX_WAIT``). A drafter that brought nothing on the last requests starts the next one with plain
+  rounds and a long wait instead of drafting on a guess; one that paid starts drafting at once. The prior
+  decays by itself: each request's own rounds outweigh it within a few drafted rounds, and what it passes on
+  is its own statistics. ``speculative_generate`` keeps one per (device, target, drafter) in the process
+  (``Decoder.prior`` / ``remember``); the serving engine pools the slots' statistics when it starts a row.
 
 Whatever ``T`` a round runs at, the round is exact (greedy == AR, sampling lossless): the policy only
 changes speed. ``VerifyPolicy.schedule`` can pin the choice per round (tests, cost measurement).
@@ -37,6 +46,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -45,7 +55,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from dspine_jax.models import hub, quant
+from dspine_jax.models import hub, panels, quant
 
 CANDIDATE_LENGTHS = (1, 2, 4, 8, 16)  # verify lengths the policy chooses among (capped by the drafter's block)
 SCHEDULE_WIDTH = 16  # the pinned schedule is cyclic over this many rounds (a fixed shape: no recompiles)
@@ -53,9 +63,12 @@ DECAY = 0.8  # per drafted round: the estimates follow the last ~5 rounds
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a prior is worth one observation
 PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round
 FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
+CARRY_WEIGHT = 2.0  # a prior carried from earlier requests counts as this many observations of the first slot
+CARRY_MAX_WAIT = 16  # a carried wait is capped here: a drafter that failed on the last text gets a peek soon on this one
 PRIOR_SAMPLES, RECENT = 3, 32  # a measured (or cached) cost counts as 3 timed segments; the last 32 count
 EXPLORE_SAMPLES = 3  # timed segments (over runs) a drafted length needs before only the policy picks it
 COSTS_FILE = "verify_costs.json"
+COSTS_MAX_AGE = 24 * 3600  # seconds: a calibration older than this is measured again (a machine's day changes its costs)
 
 
 def candidate_lengths(limit: int | None) -> tuple[int, ...]:
@@ -117,12 +130,37 @@ class PolicyState:
     wait: Array  # [B] int32 plain rounds before the next probe
 
 
-def init_state(batch: int, max_length: int) -> PolicyState:
+@struct.dataclass
+class Prior:
+    """Where a new row's statistics start: per-slot counts ``[P]`` and the plain rounds before its first probe."""
+
+    hits: Array  # [P] f32
+    tries: Array  # [P] f32 (tries[0] ≤ CARRY_WEIGHT)
+    wait: Array  # int32 scalar
+
+
+def init_state(batch: int, max_length: int, prior: Prior | None = None) -> PolicyState:
+    """Fresh statistics for ``batch`` rows: nothing observed (the coin flip), or ``prior``'s."""
     p = max(max_length - 1, 1)
+    if prior is None:
+        prior = Prior(jnp.zeros((p,), jnp.float32), jnp.zeros((p,), jnp.float32), jnp.int32(FIRST_WAIT))
     return PolicyState(
-        hits=jnp.zeros((batch, p), jnp.float32), tries=jnp.zeros((batch, p), jnp.float32),
-        idle=jnp.zeros((batch,), jnp.int32), wait=jnp.full((batch,), FIRST_WAIT, jnp.int32),
+        hits=jnp.broadcast_to(prior.hits, (batch, p)), tries=jnp.broadcast_to(prior.tries, (batch, p)),
+        idle=jnp.zeros((batch,), jnp.int32), wait=jnp.full((batch,), prior.wait, jnp.int32),
     )
+
+
+def carried(state: PolicyState, rows: Array) -> Prior:
+    """What ``rows [B]`` (bool) of ``state`` pass on to the next request: their per-slot counts pooled and
+    scaled so the first slot counts at most ``CARRY_WEIGHT`` observations (the estimates keep their ratios,
+    the next request's own rounds soon outweigh them), and their shortest wait (capped at ``CARRY_MAX_WAIT``).
+    Rows that never drafted add nothing; with none, the coin flip (``init_state``'s default)."""
+    seen = rows & (state.tries[:, 0] > 0)
+    hits = jnp.sum(jnp.where(seen[:, None], state.hits, 0.0), axis=0)
+    tries = jnp.sum(jnp.where(seen[:, None], state.tries, 0.0), axis=0)
+    scale = jnp.where(tries[0] > 0, jnp.minimum(1.0, CARRY_WEIGHT / jnp.maximum(tries[0], 1e-9)), 0.0)
+    wait = jnp.min(jnp.where(seen, state.wait, CARRY_MAX_WAIT))
+    return Prior(hits * scale, tries * scale, jnp.clip(jnp.where(jnp.any(seen), wait, FIRST_WAIT), FIRST_WAIT, CARRY_MAX_WAIT))
 
 
 def acceptance(state: PolicyState) -> Array:
@@ -219,6 +257,8 @@ def costs_key(target, proposer_tag: str, batch: int, lengths: Sequence[int]) -> 
     weights = "int8" if quant.is_quantized(target.params) else str(target.dtype)
     if target.kv_cache_dtype != "auto":  # (absent for the default, so keys measured before stay valid)
         weights += f"|kv:{target.kv_cache_dtype}"
+    if panels.is_packed(target.params):  # the CPU panel kernel: other costs per length
+        weights += "|panels"
     identity = json.dumps([str(target.config), str(target.dtype), weights, spread, proposer_tag], sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return f"{device.platform}:{device.device_kind}|{digest}|b{batch_bucket(batch)}|T{','.join(map(str, lengths))}"
@@ -234,24 +274,29 @@ def load_costs(key: str) -> dict[int, float] | None:
     return entry[0] if entry else None
 
 
-def load_cost_entry(key: str) -> tuple[dict[int, float], dict[int, int]] | None:
-    """The cached ``({T: seconds}, {T: timed segments behind it})`` for ``key``, or None (entries written
-    before the counts existed count 0 segments)."""
+def load_cost_entry(key: str, now: float | None = None) -> tuple[dict[int, float], dict[int, int]] | None:
+    """The cached ``({T: seconds}, {T: timed segments behind it})`` for ``key``, or None — also when its
+    calibration is older than ``COSTS_MAX_AGE`` or undated: a length priced too dear is never run, so nothing
+    else would ever correct it (seen: a day-old entry pricing every drafted round at 2.2× a plain step kept a
+    drafter that pays from drafting at all)."""
     try:
         with open(_costs_path()) as f:
             entry = json.load(f).get(key)
     except (OSError, ValueError):
         return None
-    if not entry:
+    if not entry or not (time.time() if now is None else now) - entry.get("measured_at", -math.inf) <= COSTS_MAX_AGE:
         return None
     counts = entry.get("segments", {})
     costs = {int(t): float(s) for t, s in entry.items() if t.isdigit()}
     return costs, {t: int(counts.get(str(t), 0)) for t in costs}
 
 
-def store_costs(key: str, costs: Mapping[int, float], segments: Mapping[int, int] | None = None) -> None:
+def store_costs(
+    key: str, costs: Mapping[int, float], segments: Mapping[int, int] | None = None, *, measured_at: float | None = None
+) -> None:
     """Add ``costs`` (and how many timed segments each rests on) under ``key`` (written atomically:
-    concurrent runs never leave a torn file)."""
+    concurrent runs never leave a torn file). ``measured_at``: when they were calibrated (None: a refinement,
+    which keeps the entry's calibration time, or now for a new entry)."""
     path = _costs_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
@@ -259,9 +304,12 @@ def store_costs(key: str, costs: Mapping[int, float], segments: Mapping[int, int
             table = json.load(f)
     except (OSError, ValueError):
         table = {}
+    if measured_at is None:
+        measured_at = table.get(key, {}).get("measured_at", time.time())
     entry: dict = {str(t): float(s) for t, s in sorted(costs.items())}
     if segments:
         entry["segments"] = {str(t): int(n) for t, n in sorted(segments.items())}
+    entry["measured_at"] = float(measured_at)
     table[key] = entry
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

@@ -17,6 +17,7 @@ the training corpus' feature capture all decode through it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import Array
 
@@ -247,6 +249,15 @@ class _Bucket:
     next: tuple[int, bool, int] | None = None  # the device's last choice: (length, probe, until_probe)
 
 
+PRIOR_FINGERPRINT = 4096  # values of each of the first leaves that tell two drafters (or targets) apart
+_PRIORS: dict[str, adaptive.Prior] = {}  # the process's carried priors, per (device, target, drafter)
+
+
+def forget_priors() -> None:
+    """Drop every carried prior (the next run of each drafter starts from nothing observed)."""
+    _PRIORS.clear()
+
+
 class Decoder:
     """Which verify length each segment runs at, for one target and proposer.
 
@@ -298,6 +309,7 @@ class Decoder:
         self.forced_length: int | None = None  # tests pin every segment's length
         self._unit = adaptive.make_policy(self.candidates, dict.fromkeys(self.candidates, 1.0)) if self.candidates else None
         self._buckets: dict[int, _Bucket] = {}
+        self._key: str | None = None  # the carried prior's key (computed on first use)
 
     def programs(self, greedy: bool) -> list[tuple[int, bool]]:
         """``(verify length, peek)`` of every segment program a run may use (peeks where probes may be greedy)."""
@@ -358,7 +370,7 @@ class Decoder:
         done = entry.calibration.costs()
         if done is not None:
             entry.estimate = adaptive.CostEstimate(*done)
-            adaptive.store_costs(entry.key, *done)
+            adaptive.store_costs(entry.key, *done, measured_at=time.time())
 
     # -- the driver
     def plan(
@@ -408,6 +420,29 @@ class Decoder:
             entry.next = None
         else:
             entry.next = (plan.policy.lengths[int(choice.index)], bool(choice.probe), int(choice.until_probe))
+
+    # -- the prior carried between runs (``adaptive.Prior``)
+    def _prior_key(self) -> str | None:
+        if not self.candidates or self.schedule is not None:
+            return None
+        if self._key is None:  # per drafter: its shapes and a fingerprint of its and the target's weights
+            values = [np.asarray(jnp.ravel(leaf)[:PRIOR_FINGERPRINT]) for tree in (self.target, self.proposer)
+                      for leaf in jax.tree.leaves(tree)[:4]]  # fmt: skip
+            digest = hashlib.sha256(b"".join(v.tobytes() for v in values)).hexdigest()[:16]
+            self._key = f"{adaptive.costs_key(self.target, self.scope + self.proposer.tag, 1, self.candidates)}|{digest}"
+        return self._key
+
+    def prior(self) -> adaptive.Prior | None:
+        """Where a run's acceptance statistics start: what this process's last run with the same target and
+        drafter passed on (``remember``), else None (nothing observed)."""
+        key = self._prior_key()
+        return None if key is None else _PRIORS.get(key)
+
+    def remember(self, stats: adaptive.PolicyState) -> None:
+        """Pass the rows' final statistics on to the next run with this target and drafter (``adaptive.carried``)."""
+        key = self._prior_key()
+        if key is not None:
+            _PRIORS[key] = jax.device_get(adaptive.carried(stats, np.ones(stats.wait.shape, bool)))
 
     def store(self) -> None:
         """Keep what decoding measured in the cost cache, for the next run."""

@@ -160,10 +160,11 @@ def prefill(
 
 def start(
     cache: Any, proposer_state: Any, first: Array, key: Array, sampling: Sampling, stop_ids: Array,
-    max_new_tokens: Array, *, max_verify: int,
+    max_new_tokens: Array, prior: adaptive.Prior | None = None, *, max_verify: int,
 ) -> DecodeState:
     """The rows' state after prefill. ``cache`` has ``max_verify`` slack slots past the planned capacity;
-    the budget is plain decoding's: one token per free planned slot + the last one, never fed back."""
+    the budget is plain decoding's: one token per free planned slot + the last one, never fed back.
+    ``prior``: where the rows' acceptance statistics start (None: nothing observed)."""
     batch = first.shape[0]
     capacity = cache.capacity - max_verify  # planned capacity; the slots beyond it are verify slack
     stopped = jnp.isin(first, stop_ids)
@@ -171,7 +172,7 @@ def start(
     return DecodeState(
         cache=cache, proposer_state=proposer_state, anchor=first, running=~stopped & (budget > 1),
         remaining=budget - 1, counts=jnp.ones((batch,), jnp.int32), keys=jax.random.split(key, batch),
-        sampling=sampling, stats=adaptive.init_state(batch, max_verify),
+        sampling=sampling, stats=adaptive.init_state(batch, max_verify, prior),
     )
 
 

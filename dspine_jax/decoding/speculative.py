@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dspine_jax.decoding import adaptive
 from dspine_jax.decoding import round as rnd
 from dspine_jax.decoding.decoder import CALIBRATION_ROUNDS, Decoder, Transcript, decode_rounds, run_segment
 from dspine_jax.decoding.planning import CompileTimer, GenerationResult, finish_reasons, plan_request, round_up
@@ -34,10 +35,12 @@ STOP_BUCKET = 8  # stop ids are padded with -1 to a multiple of this, so their c
 
 def begin_impl(
     cache: Any, proposer_state: Any, first: jax.Array, key: jax.Array, sampling: Sampling, stop_ids: jax.Array,
-    max_new_tokens: jax.Array, *, max_verify: int, out_width: int,
+    max_new_tokens: jax.Array, prior: adaptive.Prior | None = None, *, max_verify: int, out_width: int,
 ) -> tuple[rnd.DecodeState, Transcript]:
-    """The rows' state after prefill and a transcript holding their first token."""
-    state = rnd.start(cache, proposer_state, first, key, sampling, stop_ids, max_new_tokens, max_verify=max_verify)
+    """The rows' state after prefill and a transcript holding their first token; ``prior``: where their
+    acceptance statistics start (``adaptive.Prior``; None: nothing observed)."""
+    state = rnd.start(cache, proposer_state, first, key, sampling, stop_ids, max_new_tokens, prior,
+                      max_verify=max_verify)  # fmt: skip
     return state, Transcript.empty(first.shape[0], out_width + max_verify, out_width, first, stop_ids)
 
 
@@ -135,7 +138,8 @@ def speculative_generate(
 
     clock = CompileTimer()  # compilation timed apart from prefill and decode (see generate)
     (cache, pstate, first), prefill_seconds = clock.run(prefill, *prefill_args, **prefill_kwargs)
-    (state, transcript), start_seconds = clock.run(begin, cache, pstate, first, *begin_args, **begin_kwargs)
+    (state, transcript), start_seconds = clock.run(begin, cache, pstate, first, *begin_args, decoder.prior(),
+                                                   **begin_kwargs)  # fmt: skip
     for t, peek in decoder.programs(greedy):  # one program per length (and the peek), before the clock runs
         clock.compile(run_segment, target, proposer, state, transcript, stop_array, jnp.int32(1),
                       decoder.policy(t), verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
@@ -169,6 +173,7 @@ def speculative_generate(
     transcript = jax.block_until_ready(transcript)
     decode_seconds = start_seconds + time.perf_counter() - decode_start
     decoder.store()
+    decoder.remember(state.stats)
     got = jax.device_get(transcript)
 
     n = len(rows)

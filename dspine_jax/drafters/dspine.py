@@ -438,6 +438,7 @@ def transfer_codes_from_head(lm_head: Array, rank: int, chunk: int = 4096) -> tu
     float32 (highest matmul precision) so a 250k × 5k head never needs a second full-size copy.
     Load-time only (it checks the eigenvalues on the host), not for use under ``jit``.
     """
+    lm_head = quant.dequantize(lm_head)  # a packed or int8 head as its matrix
     h, v = lm_head.shape
     if not 0 < rank <= min(h, v - 1):
         raise ValueError(f"transfer rank {rank} must be in [1, min(hidden={h}, vocab-1={v - 1})]")

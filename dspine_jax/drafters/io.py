@@ -42,7 +42,7 @@ from dspine_jax.drafters.config import (
     load_drafter_config,
 )
 from dspine_jax.drafters.params import Drafter, DrafterLayer, DrafterParams
-from dspine_jax.models import hub, quant
+from dspine_jax.models import hub, panels, quant
 from dspine_jax.models.target import Target, resolve_dtype
 from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
 
@@ -429,6 +429,7 @@ def copy_target_layers(drafter: Drafter, target: Target, layer_ids: tuple[int, .
 
     def copied(mine: DrafterLayer, theirs: Any) -> DrafterLayer:
         cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+        theirs = panels.unpack_params(theirs)  # packed matrices (the CPU panel kernel's) as arrays
         q, k, v = jnp.split(theirs.qkv, [nd, nd + kd], axis=1)
         gate, up = jnp.split(theirs.gate_up, [f], axis=1)
         return mine.replace(

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
+from dspine_jax.models.panels import PANEL, PanelWeight, map_matrices, panel_matmul
+
 QUANTIZE_CHOICES = ("none", "int8")
 QMAX = 127  # symmetric: -128 is never used, so negation is exact
 
@@ -69,23 +71,30 @@ def quantize_int8(w: Array, per: str = "column") -> Int8Weight:
     return Int8Weight(q=q, scale=scale.astype(w.dtype))
 
 
-def dequantize(w: Int8Weight | Array) -> Array:
-    """The float matrix ``q · scale`` (an array passes through)."""
+def dequantize(w: Int8Weight | PanelWeight | Array) -> Array:
+    """The float matrix ``q · scale`` (a packed matrix unpacked; an array passes through)."""
+    if isinstance(w, PanelWeight):
+        return w.unpacked()
     return w.q.astype(w.dtype) * w.scale if isinstance(w, Int8Weight) else w
 
 
-def matmul_f32(x: Array, w: Int8Weight | Array) -> Array:
+def matmul_f32(x: Array, w: Int8Weight | PanelWeight | Array) -> Array:
     """``x @ w`` accumulated and returned in float32 (the logits)."""
     if isinstance(w, Int8Weight):
         out = jnp.matmul(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
         return out * w.column_scale(jnp.float32)
+    if isinstance(w, PanelWeight):
+        return panel_matmul(x, w)
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
-def take_columns(w: Int8Weight | Array, ids: Array) -> Array:
+def take_columns(w: Int8Weight | PanelWeight | Array, ids: Array) -> Array:
     """``w[:, ids]`` as floats: ``[I, *ids.shape]`` (DSpine reads the head's rows of its candidates)."""
     if isinstance(w, Int8Weight):
         return jnp.take(w.q, ids, axis=1).astype(w.dtype) * jnp.take(w.column_scale(w.dtype), ids)
+    if isinstance(w, PanelWeight):  # column j is panels[j // PANEL, :, j % PANEL]
+        rows = w.panels[ids // PANEL, :, ids % PANEL]  # [*ids.shape, I]
+        return jnp.moveaxis(rows, -1, 0)
     return jnp.take(w, ids, axis=1)
 
 
@@ -96,19 +105,5 @@ def is_quantized(params: Any) -> bool:
 def quantize_params(params: Any, matrices: tuple[str, ...]) -> Any:
     """The params pytree with every 2-D ``embed`` (per row), ``lm_head`` and field named in ``matrices``
     (per column) quantised; norms, biases, convolution and gate vectors stay in their dtype."""
-
-    def visit(node: Any) -> Any:
-        if not hasattr(node, "replace") or not hasattr(node, "__dataclass_fields__"):
-            if isinstance(node, tuple):
-                return tuple(visit(x) for x in node)
-            return node
-        updates = {}
-        for name in node.__dataclass_fields__:
-            value = getattr(node, name)
-            if isinstance(value, jax.Array) and value.ndim == 2 and name in ("embed", "lm_head", *matrices):
-                updates[name] = quantize_int8(value, per="row" if name == "embed" else "column")
-            elif isinstance(value, tuple) or hasattr(value, "__dataclass_fields__"):
-                updates[name] = visit(value)
-        return node.replace(**updates) if updates else node
-
-    return visit(params)
+    return map_matrices(params, ("embed", "lm_head", *matrices),
+                        lambda name, w: quantize_int8(w, per="row" if name == "embed" else "column"))  # fmt: skip

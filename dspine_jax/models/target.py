@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import Array
 
-from dspine_jax.models import dense, hub, hybrid, quant  # noqa: F401  (importing dense and hybrid registers the built-in families)
+from dspine_jax.models import dense, hub, hybrid, panels, quant  # noqa: F401  (importing dense and hybrid registers the built-in families)
 from dspine_jax.models.cache import resolve_kv_cache_dtype
 from dspine_jax.models.config import TargetConfig
 from dspine_jax.models.family import TargetFamily, TargetForward, family_for, load_target_config
@@ -68,13 +68,15 @@ QUANTIZED_MATRICES = ("qkv", "o", "gate_up", "down", "q", "k", "v", "gate", "up"
 
 def load_target(
     path_or_alias: str | os.PathLike, dtype: str | jnp.dtype = "float32", quantize: str | None = None,
-    kv_cache_dtype: str | None = "auto",
+    kv_cache_dtype: str | None = "auto", products: str = "auto",
 ) -> Target:
     """Load a HF-format checkpoint (directory, alias or hub repo id ``ORG/NAME[@REVISION]``, see
     ``hub.resolve_model_dir``) of any registered family as a ``Target``. ``quantize="int8"``: weight-only
     int8 (``quant.py``) for every matrix, the embedding and the LM head; ``dtype`` is then the compute
     dtype (activations, scales, norms). ``kv_cache_dtype="int8"``: attention K/V caches (and a drafter's
-    context ring) in int8 with a float32 scale per row, head and token (``cache.Int8KV``)."""
+    context ring) in int8 with a float32 scale per row, head and token (``cache.Int8KV``). ``products``:
+    ``"auto"`` packs the weight matrices for the CPU panel kernel where it applies (``panels.py``: float32 on a
+    CPU backend), ``"panels"`` insists, ``"xla"`` keeps XLA's matmuls."""
     dtype = resolve_dtype(dtype)
     if quantize not in (None, *quant.QUANTIZE_CHOICES):
         raise ValueError(f"quantize must be one of {', '.join(quant.QUANTIZE_CHOICES)}, got {quantize!r}")
@@ -86,6 +88,8 @@ def load_target(
     params = family.params_from_hf(load_safetensors_dir(model_dir), config, dtype)
     if quantize == "int8":
         params = quant.quantize_params(params, QUANTIZED_MATRICES)
+    else:
+        params = panels.pack_params(params, QUANTIZED_MATRICES, products)
     return with_kv_cache_dtype(Target(params=params, config=config, model_dir=str(model_dir)), kv_cache_dtype)
 
 

@@ -30,7 +30,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from dspine_jax.drafters.params import Drafter
-from dspine_jax.models import quant
+from dspine_jax.models import panels, quant
 from dspine_jax.models.target import Target
 from dspine_jax.parallel.mesh import MODEL, logical_spec
 
@@ -75,7 +75,8 @@ def shard_target(target: Target, mesh: Mesh) -> Target:
     """``target`` with its weights laid out on ``mesh`` (fused columns regrouped per model shard)."""
     if quant.is_quantized(target.params):
         raise ValueError("int8-quantised targets cannot be laid out on a device mesh yet; run them on one device")
-    return target.replace(params=place(target.params, target.config, mesh))
+    # A mesh runs XLA's products (the CPU panel kernel multiplies on one device).
+    return target.replace(params=place(panels.unpack_params(target.params), target.config, mesh))
 
 
 def shard_drafter(drafter: Drafter, mesh: Mesh) -> Drafter:

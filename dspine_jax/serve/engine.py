@@ -206,7 +206,9 @@ def write_rows(state: DecodeState, rows, prows, slots: Array, start: RowStart, s
         remaining=put(state.remaining, start.remaining), counts=put(state.counts, jnp.ones_like(start.first)),
         keys=state.keys.at[slots].set(jax.random.wrap_key_data(start.key_data), unique_indices=True),
         sampling=jax.tree.map(put, state.sampling, start.sampling),
-        stats=jax.tree.map(put, state.stats, adaptive.init_state(p, state.stats.hits.shape[1] + 1)),
+        # New rows start from what the slots measured so far (their pooled statistics: ``adaptive.carried``).
+        stats=jax.tree.map(put, state.stats, adaptive.init_state(p, state.stats.hits.shape[1] + 1,
+                                                                 adaptive.carried(state.stats, jnp.ones_like(state.running)))),
     )
 
 

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         if changed:
             raise SystemExit(f"--resume with different arguments than the run in {args.out}: {changed}")
 
-    target = load_target(args.target)
+    target = load_target(args.target, products="xla")  # training reads the head as a matrix
     if run["mask_token_id"] is None and previous is None:
         run["mask_token_id"] = default_mask_token_id(target, _tokenizer_or_none(args.target))
     run_file.write_text(json.dumps(run, indent=2) + "\n")

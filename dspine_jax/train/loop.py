@@ -33,6 +33,7 @@ from dspine_jax.drafters.dflash2 import DFlash2
 from dspine_jax.drafters.drafter import DFlash, vocab_ids
 from dspine_jax.drafters.dspine import DSPINE_DEFAULTS, DSpine, head_rows, with_dspine_settings
 from dspine_jax.drafters.params import Drafter
+from dspine_jax.models import quant
 from dspine_jax.train.losses import (
     alignment_terms,
     ce_terms,
@@ -125,7 +126,8 @@ def teacher_probs(terms: ObjectiveTerms) -> Array:
     idx = jnp.maximum(terms.source - 1, 0).reshape(b, a * p)
     teacher_h = jnp.take_along_axis(terms.teacher_hidden, idx[..., None], axis=1).reshape(b, a, p, -1)
     head = terms.drafter.params.draft_head
-    logits = jnp.matmul(teacher_h, terms.lm_head if head is None else head, preferred_element_type=jnp.float32)
+    logits = jnp.matmul(teacher_h, quant.dequantize(terms.lm_head) if head is None else head,
+                        preferred_element_type=jnp.float32)  # fmt: skip
     return jax.lax.stop_gradient(jax.nn.softmax(logits, axis=-1))
 
 
@@ -257,6 +259,7 @@ def objective(
     """Loss and metrics for one batch (the DFlash CE or the full DSpine objective); ``gamma`` is the
     resolved position decay (``loss_decay_gamma``; None = none)."""
     drafter = Drafter(params=join_params(trainable, frozen), config=config)
+    lm_head = quant.dequantize(lm_head)  # a packed (or int8) head as its matrix
     tokens, mask = batch["tokens"], batch["loss_mask"]
     s = tokens.shape[1]
     t = config.block_size

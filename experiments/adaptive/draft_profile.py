@@ -1,8 +1,11 @@
 """Where a drafting round's time goes on this device: each piece of DSpine drafting (block forward, unary
 logits over the vocabulary, top-k, transition table, walk, context append) timed alone, next to the
-target's verify forward at T = 1, 2, 4, 8 (SmolLM2, batch 1, a 200-token context).
+target's verify forward at T = 1, 2, 4, 8 (SmolLM2, batch 1, a 200-token context). The weights are arguments of
+every timed program, as in the package's own programs (closed over, XLA would compile them in as constants).
 
-    python experiments/adaptive/draft_profile.py [--draft checkpoints/smollm2-135m-dspine-b8]
+    python experiments/adaptive/draft_profile.py [--draft checkpoints/smollm2-135m-dspine-b8] [--products xla|auto]
+
+``--products xla`` times XLA's matmuls, ``auto`` (default) the CPU panel kernel where it applies (``panels.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default=str(ROOT / "checkpoints/smollm2-135m-dspine-b8"))
     ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--products", default="auto", choices=("auto", "xla"))
     args = ap.parse_args()
-    target = tgt.load_target(args.model)
+    target = tgt.load_target(args.model, products=args.products)
     drafter = load_draft(args.draft, target)
     proposer = as_proposer(drafter)
     n = args.context
@@ -48,36 +52,38 @@ def main() -> None:
     rows = {}
 
     @jax.jit
-    def verify(cache, block):
+    def verify(target, cache, block):
         fwd = tgt.forward(target, cache, block, proposer.taps)
         return tgt.lm_logits(target, fwd.hidden).argmax(-1)
 
     for t in (1, 2, 4, 8):
-        rows[f"target verify T={t} (+ logits, argmax)"] = timed(verify, cache, jnp.zeros((1, t), jnp.int32))
+        rows[f"target verify T={t} (+ logits, argmax)"] = timed(verify, target, cache, jnp.zeros((1, t), jnp.int32))
     p = drafter.config.block_size
     block = dr.block_tokens(drafter, anchor)
-    fwd_fn = jax.jit(lambda c, b: dr.forward(drafter, target, c, b))
-    rows[f"drafter block forward ({p} positions)"] = timed(fwd_fn, state, block)
-    fwd = fwd_fn(state, block)
-    logits_fn = jax.jit(lambda h: dr.unary_logits(drafter, target, h))
-    rows[f"unary logits [{p - 1}, {drafter.config.draft_vocab_size or target.config.vocab_size}]"] = timed(logits_fn, fwd.hidden[:, 1:])
-    logits = logits_fn(fwd.hidden[:, 1:])
+    fwd_fn = jax.jit(lambda d, t, c, b: dr.forward(d, t, c, b))
+    rows[f"drafter block forward ({p} positions)"] = timed(fwd_fn, drafter, target, state, block)
+    fwd = fwd_fn(drafter, target, state, block)
+    logits_fn = jax.jit(lambda d, t, h: dr.unary_logits(d, t, h))
+    rows[f"unary logits [{p - 1}, {drafter.config.draft_vocab_size or target.config.vocab_size}]"] = timed(
+        logits_fn, drafter, target, fwd.hidden[:, 1:])
+    logits = logits_fn(drafter, target, fwd.hidden[:, 1:])
     rows[f"top-{drafter.config.top_k} of those"] = timed(jax.jit(lambda l: dr.top_candidates(l, drafter.config.top_k)), logits)
     kind = drafter.kind
     cands = jax.jit(lambda f, a: kind.candidates(drafter, target, f, a))(fwd, anchor)
     cand_ids = dr.vocab_ids(drafter, dr.top_candidates(logits, drafter.config.top_k)[1])
-    rows["transition table"] = timed(jax.jit(lambda pre, ids, a: kind.transition_table(drafter, target, pre, ids, a)),
-                                     fwd.pre_injection[:, 1:], cand_ids, anchor)
+    rows["transition table"] = timed(jax.jit(lambda d, t, pre, ids, a: kind.transition_table(d, t, pre, ids, a)),
+                                     drafter, target, fwd.pre_injection[:, 1:], cand_ids, anchor)
     rows["walk"] = timed(jax.jit(lambda c, k: kind.select(c, dr.slot_keys(k, c.cand_ids.shape[1]),
                                                           lambda s, kk: dr.choose(s, kk, sampling.temperature))), cands, keys)
     for num in (1, 3, 7):
         rows[f"whole draft, {num} proposals"] = timed(
-            jax.jit(lambda s, a, k: proposer.propose(target, s, a, jnp.ones((1,), jnp.int32), k, sampling, num)),
-            state, anchor, keys)
+            jax.jit(lambda pr, t, s, a, k: pr.propose(t, s, a, jnp.ones((1,), jnp.int32), k, sampling, num)),
+            proposer, target, state, anchor, keys)
     tapped = jnp.zeros((len(proposer.taps), 1, 8, target.config.hidden_size), jnp.float32)
-    rows["context append (8 tokens)"] = timed(jax.jit(lambda s, x: proposer.commit(target, s, None, x, jnp.asarray([8]))), state, tapped)
+    rows["context append (8 tokens)"] = timed(
+        jax.jit(lambda pr, t, s, x: pr.commit(t, s, None, x, jnp.asarray([8]))), proposer, target, state, tapped)
     base = rows["target verify T=1 (+ logits, argmax)"]
-    print(f"{jax.devices()[0].device_kind}; context {n}; ms (median of 30) and × a plain step")
+    print(f"{jax.devices()[0].device_kind}; products {args.products}; context {n}; ms (median of 30) and × a plain step")
     for name, ms in rows.items():
         print(f"{name:44s} {ms:8.2f} ms  {ms / base:5.2f}×")
 

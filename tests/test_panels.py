@@ -1,0 +1,71 @@
+"""The CPU panel kernel (``models/panels.py``, ``kernels/cpu/panel_matmul.cc``): equal to its reference (XLA's
+matmul on the unpacked matrix) to float tolerance for every row count, the same bits for a row whatever rows
+surround it (why greedy speculative output equals plain greedy output by construction), and a packed target
+that decodes like an unpacked one."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.speculative import speculative_generate
+from dspine_jax.drafters.io import init_drafter
+from dspine_jax.models import panels, quant
+from dspine_jax.models.target import load_target
+
+pytestmark = pytest.mark.skipif(not panels.kernel_available(), reason="no C++ compiler: the kernel cannot build")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64, 65])
+def test_kernel_matches_its_reference(rows):
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((96, 160), np.float32)
+    x = jnp.asarray(rng.standard_normal((rows, 96), np.float32))
+    packed = panels.pack(w)
+    assert packed.shape == (96, 160) and np.array_equal(np.asarray(packed.unpacked()), w)
+    got = np.asarray(jax.jit(lambda x, p: x @ p)(x, packed))
+    np.testing.assert_allclose(got, np.asarray(x) @ w, rtol=2e-5, atol=2e-5)
+
+
+def test_a_rows_product_is_the_same_bits_in_any_block():
+    rng = np.random.default_rng(0)
+    packed = panels.pack(rng.standard_normal((576, 1024), np.float32))
+    block = jnp.asarray(rng.standard_normal((12, 576), np.float32))
+    product = jax.jit(lambda x, p: x @ p)
+    alone = np.stack([np.asarray(product(block[i : i + 1], packed))[0] for i in range(12)])
+    for t in (2, 3, 4, 8, 12):
+        np.testing.assert_array_equal(np.asarray(product(block[:t], packed)), alone[:t])
+    # Leading axes are rows too ([B, T, K]), and vmap over rows keeps the bits.
+    np.testing.assert_array_equal(np.asarray(product(block.reshape(3, 4, 576), packed)).reshape(12, -1), alone)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(product, in_axes=(0, None))(block[:, None], packed))[:, 0], alone)
+
+
+def test_packed_matrices_stand_in_for_arrays():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((32, 48), np.float32)
+    packed = panels.pack(w)
+    ids = jnp.asarray([[0, 17], [47, 5]])
+    np.testing.assert_array_equal(np.asarray(quant.take_columns(packed, ids)), np.take(w, np.asarray(ids), axis=1))
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), w)
+    x = jnp.asarray(rng.standard_normal((2, 32), np.float32))
+    np.testing.assert_allclose(np.asarray(quant.matmul_f32(x, packed)), np.asarray(x) @ w, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        panels.pack(w[:, :40])
+    with pytest.raises(ValueError, match="products must be"):
+        panels.resolve_products("fast", {})
+
+
+def test_a_packed_target_decodes_like_xlas_products(tiny_models):
+    plain = load_target(tiny_models["llama"][0], products="xla")
+    packed = load_target(tiny_models["llama"][0])
+    assert panels.is_packed(packed.params) and not panels.is_packed(plain.params)
+    assert not panels.is_packed(panels.unpack_params(packed.params))
+    prompt = [[5, 17, 33, 9, 60, 11], [7, 3]]
+    reference = generate(plain, prompt, 24, stop_ids=[]).token_ids
+    assert generate(packed, prompt, 24, stop_ids=[]).token_ids == reference
+    drafter = init_drafter(packed, "dspine", num_layers=1, block_size=4, top_k=4, seed=3)
+    for t in (2, 4):
+        assert speculative_generate(packed, drafter, prompt, 24, stop_ids=[], verify=t).token_ids == reference
