@@ -261,12 +261,13 @@ def check_drafter(name: str, spec: str) -> None:
 
 
 def parse_system(name: str, drafters: Mapping[str, str]) -> tuple[str, str | None, int | str]:
-    """A system name → (kind, drafter spec, verify). ``hf``, ``hf_prompt_lookup`` and ``ours`` draft nothing;
+    """A system name → (kind, drafter spec, verify). ``hf``, ``hf_prompt_lookup``, ``ours`` and ``ours:xla`` (our
+    AR with XLA's matmuls instead of the CPU panel kernel, ``models/panels.py``) draft nothing;
     ``ours+dflash`` / ``ours+dspine`` use the report's drafters, ``ours+init:dspine`` a fresh, untrained one and
     ``ours+DIR`` the drafter checkpoint in directory DIR; a suffix ``@N`` fixes the verify length, ``@auto`` (the
     default) lets the policy choose it."""
     base, _, verify = name.partition("@")
-    if base in ("hf", "hf_prompt_lookup", "ours"):
+    if base in ("hf", "hf_prompt_lookup", "ours", "ours:xla"):
         if verify:
             raise ValueError(f"system {name!r}: only speculative systems (ours+…) take @verify")
         return base, None, "auto"
@@ -294,6 +295,9 @@ def make_systems(model_dir: Path, dtype: str, n: int, drafters: Mapping[str, str
             out[name] = lambda p: run_hf(hf, p, n, prompt_lookup=PROMPT_LOOKUP_TOKENS)
         elif base == "ours":
             out[name] = lambda p: run_ours(ours, p, n)
+        elif base == "ours:xla":
+            xla = loaded.setdefault(base, load_target(model_dir, dtype=dtype, products="xla"))
+            out[name] = lambda p, t=xla: run_ours(t, p, n)
         else:
             drafter = loaded.setdefault(spec, load_draft(spec, ours))
             out[name] = lambda p, d=drafter, v=verify: run_speculative(ours, d, p, n, verify=v)
@@ -552,7 +556,8 @@ def main(argv: list[str] | None = None) -> None:
     report.add_argument("--data", type=Path, help="drafter data dir with prompts*.json (default: the cache's)")
     report.add_argument("--systems", help="comma-separated systems (default: " + ",".join(SYSTEMS) + "); a "
                         "speculative one takes @N (fixed verify length) or @auto (default), and ours+init:dspine "
-                        "is a fresh, untrained drafter; without hf, tokens are checked against ours AR")
+                        "is a fresh, untrained drafter; ours:xla is our AR with XLA's matmuls instead of the CPU panel kernel; without hf, "
+                        "tokens are checked against ours AR")
     report.add_argument("--torch-threads", type=int,
                         help="torch intra-op threads for the HF systems (default: torch's)")
     args = parser.parse_args(argv)

@@ -5,6 +5,10 @@ that decodes like an unpacked one."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,14 +16,16 @@ import pytest
 
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.speculative import speculative_generate
-from dspine_jax.drafters.io import init_drafter
+from dspine_jax.drafters.io import init_drafter, load_draft
 from dspine_jax.models import panels, quant
 from dspine_jax.models.target import load_target
+from dspine_jax.parallel.mesh import make_mesh
+from dspine_jax.parallel.sharding import shard_drafter, shard_target
 
 pytestmark = pytest.mark.skipif(not panels.kernel_available(), reason="no C++ compiler: the kernel cannot build")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 300])
 def test_kernel_matches_its_reference(rows):
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((96, 160), np.float32)
@@ -69,3 +75,28 @@ def test_a_packed_target_decodes_like_xlas_products(tiny_models):
     drafter = init_drafter(packed, "dspine", num_layers=1, block_size=4, top_k=4, seed=3)
     for t in (2, 4):
         assert speculative_generate(packed, drafter, prompt, 24, stop_ids=[], verify=t).token_ids == reference
+
+
+def test_a_drafter_loaded_for_a_packed_target_is_packed_too(tiny_models):
+    """``load_draft`` packs the drafter's linear weights and draft head like its target's (``pack_drafter``);
+    speculative output stays the target's greedy output, and a mesh gets plain arrays back."""
+    packed = load_target(tiny_models["llama"][0])
+    plain = load_target(tiny_models["llama"][0], products="xla")
+    drafter = load_draft("init:dspine:4", packed)
+    assert panels.is_packed(drafter.params) and not panels.is_packed(load_draft("init:dspine:4", plain).params)
+    assert isinstance(drafter.params.fc, panels.PanelWeight)
+    prompt = [[5, 17, 33, 9, 60, 11]]
+    reference = generate(packed, prompt, 20, stop_ids=[]).token_ids
+    assert speculative_generate(packed, drafter, prompt, 20, stop_ids=[], verify=4).token_ids == reference
+    mesh = make_mesh(tp=1, dp=1)
+    assert not panels.is_packed(shard_drafter(drafter, mesh).params)
+    assert not panels.is_packed(shard_target(packed, mesh).params)
+
+
+def test_without_a_compiler_the_target_keeps_xlas_products(tmp_path):
+    """A machine that cannot build the kernel warns once and decodes with XLA's matmuls (``products="auto"``)."""
+    env = {**os.environ, "CXX": "no-such-compiler", "DSPINE_JAX_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    probe = "from dspine_jax.models import panels; print(panels.resolve_products('auto', {}))"
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "xla" and "did not build" in run.stderr

@@ -483,12 +483,21 @@ def load_draft(spec: str | os.PathLike, target: Target, dtype: str | None = None
         drafter = init_drafter(target, init[0], block_size=init[1], dtype=dtype)
     else:
         drafter = load_drafter(text, target, dtype=dtype)
-    return quantize_drafter(drafter, quantize)
+    return pack_drafter(quantize_drafter(drafter, quantize), target)
 
 
 # The drafter's linear weights ``[in, out]`` (fc and every layer's projections); norms, DSpine's injection and
 # DFlash2's convolutions / selector stay in float (small, and read as vectors or rows).
 DRAFTER_MATRICES = ("fc", "q", "k", "v", "o", "gate", "up", "down")
+
+
+def pack_drafter(drafter: Drafter, target: Target) -> Drafter:
+    """``drafter`` with its linear weights and draft head packed for the CPU panel kernel where ``target``'s are
+    (``models/panels.py``): its block forward, context append and unary logits then run like the target's
+    products. An int8 drafter, or a target on XLA's products, leaves it unchanged."""
+    if not panels.is_packed(target.params) or quant.is_quantized(drafter.params):
+        return drafter
+    return drafter.replace(params=panels.pack_params(drafter.params, (*DRAFTER_MATRICES, "draft_head")))
 
 
 def quantize_drafter(drafter: Drafter, quantize: str = "none") -> Drafter:

@@ -81,7 +81,7 @@ def shard_target(target: Target, mesh: Mesh) -> Target:
 
 def shard_drafter(drafter: Drafter, mesh: Mesh) -> Drafter:
     """``drafter`` with its layers split like the target's; fc, norms and the DSpine injection replicated."""
-    return drafter.replace(params=place(drafter.params, drafter.config, mesh))
+    return drafter.replace(params=place(panels.unpack_params(drafter.params), drafter.config, mesh))
 
 
 def describe(tree: Any) -> dict[str, str]:

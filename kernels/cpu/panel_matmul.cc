@@ -1,9 +1,10 @@
 // out[M, N] = x[M, K] @ W for few rows M (a decode step, a verify block), float32, on the CPU.
 //
 // W arrives packed in panels of 16 columns, [N / 16, K, 16] (prepared once at load time), so each panel is one
-// contiguous stream: the kernel reads it once per group of up to 8 rows, keeping the group's 8 × 16 partial
-// sums in vector registers. XLA:CPU's general matmul packs W on every call for M > 1, which is what makes a
-// verify of a few tokens cost far more than a one-token step.
+// contiguous stream: the kernel reads two panels at a time once per group of up to 8 rows, keeping the group's
+// 8 × 32 partial sums in vector registers (each x element loaded once for both panels). XLA:CPU's general
+// matmul packs W on every call for M > 1, which is what makes a verify of a few tokens cost far more than a
+// one-token step.
 //
 // Every output element is the sum over k = 0 … K-1, in that order, of x[m, k] · W[k, n] (one multiply-add
 // each): the same operations whatever M is and whichever group a row falls in, so a row's result is the same
@@ -37,25 +38,54 @@ static inline void Rows(const float* __restrict x, const float* __restrict panel
   for (int r = 0; r < R; ++r) std::memcpy(out + r * n_dim, &acc[r], sizeof(Lanes));
 }
 
+// Two panels at once: one broadcast of x[r, k] feeds both (the loads, not the multiply-adds, limit wide blocks).
+template <int R>
+static inline void Rows2(const float* __restrict x, const float* __restrict p0, const float* __restrict p1,
+                         float* __restrict out, int64_t k_dim, int64_t n_dim) {
+  Lanes a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = Lanes{};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    Lanes w0, w1;
+    std::memcpy(&w0, p0 + k * kPanel, sizeof(Lanes));
+    std::memcpy(&w1, p1 + k * kPanel, sizeof(Lanes));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * k_dim + k];
+      a0[r] += xr * w0;
+      a1[r] += xr * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(out + r * n_dim, &a0[r], sizeof(Lanes));
+    std::memcpy(out + r * n_dim + kPanel, &a1[r], sizeof(Lanes));
+  }
+}
+
+// Rows [m, m + R) against panels [first, last).
+template <int R>
+static inline void Group(const float* x, const float* ws, float* os, int64_t k_dim, int64_t n_dim, int64_t first,
+                         int64_t last) {
+  int64_t p = first;
+  for (; p + 2 <= last; p += 2)
+    Rows2<R>(x, ws + p * k_dim * kPanel, ws + (p + 1) * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
+  if (p < last) Rows<R>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
+}
+
 static void Span(const float* xs, const float* ws, float* os, int64_t m_dim, int64_t k_dim, int64_t n_dim,
                  int64_t first, int64_t last) {
-  for (int64_t p = first; p < last; ++p) {
-    const float* panel = ws + p * k_dim * kPanel;
-    float* o = os + p * kPanel;
-    int64_t m = 0;
-    for (; m + kGroup <= m_dim; m += kGroup) Rows<kGroup>(xs + m * k_dim, panel, o + m * n_dim, k_dim, n_dim);
-    const float* xr = xs + m * k_dim;
-    float* orow = o + m * n_dim;
-    switch (m_dim - m) {
-      case 7: Rows<7>(xr, panel, orow, k_dim, n_dim); break;
-      case 6: Rows<6>(xr, panel, orow, k_dim, n_dim); break;
-      case 5: Rows<5>(xr, panel, orow, k_dim, n_dim); break;
-      case 4: Rows<4>(xr, panel, orow, k_dim, n_dim); break;
-      case 3: Rows<3>(xr, panel, orow, k_dim, n_dim); break;
-      case 2: Rows<2>(xr, panel, orow, k_dim, n_dim); break;
-      case 1: Rows<1>(xr, panel, orow, k_dim, n_dim); break;
-      default: break;
-    }
+  int64_t m = 0;
+  for (; m + kGroup <= m_dim; m += kGroup) Group<kGroup>(xs + m * k_dim, ws, os + m * n_dim, k_dim, n_dim, first, last);
+  const float* xr = xs + m * k_dim;
+  float* orow = os + m * n_dim;
+  switch (m_dim - m) {
+    case 7: Group<7>(xr, ws, orow, k_dim, n_dim, first, last); break;
+    case 6: Group<6>(xr, ws, orow, k_dim, n_dim, first, last); break;
+    case 5: Group<5>(xr, ws, orow, k_dim, n_dim, first, last); break;
+    case 4: Group<4>(xr, ws, orow, k_dim, n_dim, first, last); break;
+    case 3: Group<3>(xr, ws, orow, k_dim, n_dim, first, last); break;
+    case 2: Group<2>(xr, ws, orow, k_dim, n_dim, first, last); break;
+    case 1: Group<1>(xr, ws, orow, k_dim, n_dim, first, last); break;
+    default: break;
   }
 }
 
