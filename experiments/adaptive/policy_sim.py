@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspine_jax import bench
-from dspine_jax.decoding import adaptive, speculative
+from dspine_jax.decoding import adaptive, decoder, speculative
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import drafter as drafter_mod
@@ -112,7 +112,7 @@ def committed(trace: list[int], pos: int, t: int, n: int) -> int:
 
 
 def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
-             every: int = speculative.DECIDE_EVERY, peek: float | None = None, host: float = 0.0) -> dict:
+             every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0) -> dict:
     """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, deciding
     every ``every`` rounds (or at a ``fixed`` length): model seconds, rounds and the lengths run. ``peek``:
     seconds of a peek (greedy probes at ``PROBE_LENGTH`` run as one, as ``speculative_generate`` does; None:
@@ -155,12 +155,12 @@ def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
 
 
 VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, rounds between decisions)
-    "auto": ({}, speculative.DECIDE_EVERY),
-    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, speculative.DECIDE_EVERY),
-    "auto, first wait 8": ({"FIRST_WAIT": 8}, speculative.DECIDE_EVERY),
-    "auto, decay 0.9": ({"DECAY": 0.9}, speculative.DECIDE_EVERY),
+    "auto": ({}, decoder.DECIDE_EVERY),
+    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY),
+    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY),
+    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY),
     "auto, decide every 8": ({}, 8),
-    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, speculative.DECIDE_EVERY),
+    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY),
 }
 
 
