@@ -67,6 +67,20 @@ def median_seconds(f: Callable[..., Any], *args: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_median_ms(calls: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall milliseconds of each zero-argument call (outputs ready) over ``repeats`` rounds after one
+    warm-up call each, the calls interleaved within every round so machine noise hits them alike."""
+    for f in calls.values():
+        jax.block_until_ready(f())
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, f in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+
+
 def machine_info() -> dict[str, Any]:
 
     return {

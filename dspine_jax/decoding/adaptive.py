@@ -284,7 +284,10 @@ def load_cost_entry(key: str, now: float | None = None) -> tuple[dict[int, float
             entry = json.load(f).get(key)
     except (OSError, ValueError):
         return None
-    if not entry or not (time.time() if now is None else now) - entry.get("measured_at", -math.inf) <= COSTS_MAX_AGE:
+    if not entry:
+        return None
+    age = (time.time() if now is None else now) - entry.get("measured_at", -math.inf)  # undated: infinitely old
+    if age > COSTS_MAX_AGE:
         return None
     counts = entry.get("segments", {})
     costs = {int(t): float(s) for t, s in entry.items() if t.isdigit()}

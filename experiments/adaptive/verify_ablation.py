@@ -9,12 +9,12 @@ programs, variants interleaved per repeat, medians).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from dspine_jax.bench import interleaved_median_ms
 from dspine_jax.models import dense
 from dspine_jax.models import target as tgt
 
@@ -53,15 +53,8 @@ def main() -> None:
     table = {}
     for t in (1, 2, 4, 8):
         block = jnp.asarray([[7 + i for i in range(t)]], jnp.int32)
-        for f in programs.values():
-            jax.block_until_ready(f(target, cache, block))
-        times: dict[str, list[float]] = {k: [] for k in programs}
-        for _ in range(args.repeats):
-            for k, f in programs.items():
-                start = time.perf_counter()
-                jax.block_until_ready(f(target, cache, block))
-                times[k].append(time.perf_counter() - start)
-        table[t] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        table[t] = interleaved_median_ms({k: functools.partial(f, target, cache, block) for k, f in programs.items()},
+                                         args.repeats)  # fmt: skip
     print(f"{jax.devices()[0].device_kind}; ms, median of {args.repeats}")
     for t, row in table.items():
         print(f"T = {t}: " + "; ".join(f"{k} {v:.2f}" for k, v in row.items()))

@@ -22,16 +22,15 @@ every weight into every program is no way to serve. The panel kernel gets there 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from dspine_jax.bench import machine_info
+from dspine_jax.bench import interleaved_median_ms
 from dspine_jax.models import panels
 from dspine_jax.models import target as tgt
+from verify_pieces import report  # this folder is on sys.path when run
 
 
 def dot(x, w):
@@ -79,23 +78,9 @@ def main() -> None:
     table: dict[int, dict[str, float]] = {}
     for t in (1, 2, 4, 8):
         x = jax.random.normal(jax.random.key(t), (t, head.shape[0]), jnp.float32)
-        for f, w in forms.values():
-            jax.block_until_ready(f(w, x))  # compile
-        times: dict[str, list[float]] = {k: [] for k in forms}
-        for _ in range(args.repeats):
-            for name, (f, w) in forms.items():
-                start = time.perf_counter()
-                jax.block_until_ready(f(w, x))
-                times[name].append(time.perf_counter() - start)
-        table[t] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    base = table[1]["dot, weights as arguments"]
-    print(f"{jax.devices()[0].device_kind}; ms (median of {args.repeats}), × T = 1 dot with arguments ({base:.2f} ms)")
-    for t, row in table.items():
-        print(f"T = {t}: " + "; ".join(f"{k} {v:.2f} ({v / base:.2f}×)" for k, v in row.items()))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"machine": machine_info(), "model": args.model, "repeats": args.repeats, "ms": {str(t): r for t, r in table.items()},
-                       "baseline_ms": base}, f, indent=1)
+        table[t] = interleaved_median_ms({k: functools.partial(f, w, x) for k, (f, w) in forms.items()}, args.repeats)
+    report(table, "dot, weights as arguments", "T = 1 dot with arguments", args.out,
+           {"model": args.model, "repeats": args.repeats}, "baseline_ms")  # fmt: skip
 
 
 if __name__ == "__main__":

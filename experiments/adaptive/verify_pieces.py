@@ -11,14 +11,13 @@ and sum over ``W_T`` — each jitted alone, median of ``--repeats`` calls, the p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
-from dspine_jax.bench import machine_info
+from dspine_jax.bench import interleaved_median_ms, machine_info
 from dspine_jax.models import target as tgt
 
 
@@ -59,23 +58,21 @@ def main() -> None:
     for t in (1, 2, 4, 8):
         block = jnp.asarray([[7 + i for i in range(t)]], jnp.int32)
         x = jax.random.normal(jax.random.key(t), (t, head.shape[0]), jnp.float32)
-        for f in pieces.values():  # compile
-            jax.block_until_ready(f(x, block))
-        times: dict[str, list[float]] = {k: [] for k in pieces}
-        for _ in range(args.repeats):
-            for name, f in pieces.items():
-                start = time.perf_counter()
-                jax.block_until_ready(f(x, block))
-                times[name].append(time.perf_counter() - start)
-        table[t] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    plain = table[1]["verify (forward + head + argmax)"]
-    print(f"{jax.devices()[0].device_kind}; ms (median of {args.repeats}), × a plain step's verify ({plain:.2f} ms)")
+        table[t] = interleaved_median_ms({k: functools.partial(f, x, block) for k, f in pieces.items()}, args.repeats)
+    report(table, "verify (forward + head + argmax)", "a plain step's verify", args.out,
+           {"model": args.model, "context": n, "repeats": args.repeats}, "plain_step_ms")  # fmt: skip
+
+
+def report(table: dict[int, dict[str, float]], base: str, label: str, out: str | None, meta: dict, base_key: str) -> None:
+    """Print ``{T: {piece: ms}}`` with each piece × ``table[1][base]``, and write it (with ``meta``) to ``out``."""
+    ms = table[1][base]
+    print(f"{jax.devices()[0].device_kind}; ms (median of {meta['repeats']}), × {label} ({ms:.2f} ms)")
     for t, row in table.items():
-        print(f"T = {t}: " + "; ".join(f"{k} {v:.2f} ({v / plain:.2f}×)" for k, v in row.items()))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"machine": machine_info(), "model": args.model, "context": n, "repeats": args.repeats,
-                       "ms": {str(t): row for t, row in table.items()}, "plain_step_ms": plain}, f, indent=1)
+        print(f"T = {t}: " + "; ".join(f"{k} {v:.2f} ({v / ms:.2f}×)" for k, v in row.items()))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"machine": machine_info(), **meta, "ms": {str(t): row for t, row in table.items()}, base_key: ms},
+                      f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
