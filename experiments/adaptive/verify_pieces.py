@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target = tgt.load_target(args.model)
+    target = tgt.load_target(args.model, products="xla")  # the XLA formulations (panels.py is timed in verify_forms.py)
     n = args.context
     prompt = jnp.asarray([[100 + i % 1000 for i in range(n)]], jnp.int32)
     cache = tgt.init_cache(target, 1, n + 16)
