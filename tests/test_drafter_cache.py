@@ -88,3 +88,55 @@ def test_ring_buffer_window_equals_unbounded_cache(qwen3_target):
             atol=1e-5,
             rtol=1e-5,
         )
+
+
+def test_deferred_ingest_drafts_like_immediate_appends(qwen3_target):
+    """A drafter proposer parks committed tokens' taps (``commit``) and appends them when a draft is due
+    (``flush``) or its buffer would overflow: the ring it drafts from equals one appended round by round,
+    plain rounds leave the ring alone, and a rewind into the parked tokens keeps exactly their prefix."""
+    import jax
+
+    from dspine_jax.drafters.proposer import DrafterProposer
+
+    target, _ = qwen3_target
+    drafter = init_drafter(target, kind="dspine", num_layers=2, block_size=BLOCK, transfer_rank=16, message_size=8,
+                           top_k=4, target_layer_ids=TAPS, initializer_range=0.2)  # fmt: skip
+    proposer = DrafterProposer(drafter)
+    commit, flush = jax.jit(proposer.commit), jax.jit(proposer.flush)
+    rewind = jax.jit(proposer.rewind)
+    seqs = np.random.RandomState(4).randint(3, 128, size=(2, 30))
+    tapped = tapped_features(target, seqs, drafter.config.target_layer_ids)
+    state = proposer.init(target, 2, 48)
+    slots = state.pending.shape[1]
+    direct = init_draft_cache(drafter, 2, 48)
+    done = np.zeros(2, int)
+    schedule = [(1, 1), (1, 0), (4, 2), (1, 1), (3, 4), (1, 1), (1, 1), (2, 3), (4, 4), (1, 1), (4, 1), (1, 1)]
+    overflows = 0
+    for step, counts in enumerate(schedule):
+        counts = np.asarray(counts)
+        block = np.stack([np.asarray(tapped[:, b, done[b] : done[b] + BLOCK]) for b in range(2)], axis=1)
+        before = state
+        state = commit(target, state, None, jnp.asarray(block), jnp.asarray(counts))
+        direct = append(drafter, direct, jnp.asarray(block), jnp.asarray(counts))
+        done += counts
+        np.testing.assert_array_equal(state.lengths, done)
+        overflow = np.any(np.asarray(before.num_pending) + counts > slots)
+        overflows += overflow
+        # The ring moves only when the parked tokens would overflow the buffer.
+        np.testing.assert_array_equal(state.ring.lengths, before.lengths if overflow else before.ring.lengths)
+        if step in (2, 10):  # a draft is due: the flushed ring is the directly appended one
+            state = flush(target, state)
+            np.testing.assert_array_equal(state.num_pending, 0)
+            anchors = seqs[np.arange(2), done]
+            np.testing.assert_allclose(block_logits(drafter, target, state.ring, anchors),
+                                       block_logits(drafter, target, direct, anchors), atol=1e-5, rtol=1e-5)  # fmt: skip
+    assert overflows == 1 and np.any(np.asarray(state.num_pending) > 0)
+    # Rewind: row 0 into its parked tokens, row 1 below its ring; both then draft like a ring built to there.
+    keep = np.array([int(state.ring.lengths[0]) + 1, int(state.ring.lengths[1]) - 2])
+    state = flush(target, rewind(state, jnp.asarray(keep)))
+    np.testing.assert_array_equal(state.ring.lengths, keep)
+    anchors = seqs[np.arange(2), keep]
+    for b in range(2):
+        alone = append(drafter, init_draft_cache(drafter, 1, 48), tapped[:, b : b + 1], jnp.array([keep[b]]))
+        np.testing.assert_allclose(block_logits(drafter, target, state.ring, anchors)[b],
+                                   block_logits(drafter, target, alone, anchors[b : b + 1])[0], atol=1e-5, rtol=1e-5)  # fmt: skip

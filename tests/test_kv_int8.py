@@ -116,9 +116,9 @@ def test_int8_caches_layout_memory_and_errors(dense, hybrid, monkeypatch):
     assert _nbytes((cache.k, cache.v)) * 4 * c.head_dim == _nbytes((float_cache.k, float_cache.v)) * (c.head_dim + 4)
     # The drafter's ring follows the target's setting; the hybrid's GDN state stays float32.
     drafter = init_drafter(q8, "dspine", num_layers=1, block_size=4, top_k=4, seed=3)
-    ring = DrafterProposer(drafter).init(q8, 2, 32)
+    ring = DrafterProposer(drafter).init(q8, 2, 32).ring
     assert isinstance(ring, DraftCache) and all(isinstance(x, kv.Int8KV) for x in ring.k + ring.v)
-    assert not isinstance(DrafterProposer(drafter).init(f32, 2, 32).k[0], kv.Int8KV)
+    assert not isinstance(DrafterProposer(drafter).init(f32, 2, 32).ring.k[0], kv.Int8KV)
     hc = tgt.init_cache(hybrid, 1, 16)
     assert all(isinstance(x, kv.Int8KV) for x in hc.k + hc.v)
     assert {x.dtype for x in hc.conv + hc.state} == {jnp.dtype(jnp.float32)}
@@ -189,7 +189,7 @@ def test_int8_kv_on_a_mesh_equals_one_device(dense):
     assert result.token_ids == single.token_ids
     assert result.acceptance_lengths == single.acceptance_lengths
     kh = target.config.num_kv_heads
-    for buf in (cache.k[0], cache.v[-1], ring.k[0]):
+    for buf in (cache.k[0], cache.v[-1], ring.ring.k[0]):
         assert _axes(buf.q) == _axes(buf.scale) == ("data", "model", None, None)
         assert buf.scale.addressable_shards[0].data.shape == (1, kh // 2, buf.shape[2], 1)
 
@@ -213,4 +213,4 @@ def test_int8_kv_engine_equals_generate(dense):
     assert answers == generate(target, prompts, 12, stop_ids=[]).token_ids  # (dense rows: one batch, one compile)
     stats = core.prefix_stats()
     assert stats.hits == 2 and stats.hit_tokens == sum(len(p) + len(a) - 1 for p, a in zip(prompts[:-1], answers[:-1]))
-    assert isinstance(core.pstate.k[0], kv.Int8KV) and core.pstate.capacity == core.cache_capacity
+    assert isinstance(core.pstate.ring.k[0], kv.Int8KV) and core.pstate.ring.capacity == core.cache_capacity

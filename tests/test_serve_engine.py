@@ -437,7 +437,7 @@ def test_cache_capacity_follows_the_longest_request(llama):
     got, _, _ = run_engine(core, prompts, budgets)
     assert got == ref
     assert seen[0] == 128 and 256 in seen and seen[-1] == 128 and core.capacity not in seen
-    assert core.pstate.capacity == core.cache_capacity  # the drafter's ring moved with the target's cache
+    assert core.pstate.ring.capacity == core.cache_capacity  # the drafter's ring moved with the target's cache
     assert eng.serving_programs(core) == compiled
 
 

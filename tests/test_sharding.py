@@ -121,7 +121,9 @@ def test_weights_and_caches_are_split_as_the_rules_say(models):
     assert _shard_shape(cache.k[0]) == (1, k // 4, 32, d)
     assert _shard_shape(cache.lengths) == (1,)
     dc = drafter.config
-    assert _shard_shape(draft_cache.k[0]) == (1, dc.num_kv_heads // 4, draft_cache.k[0].shape[2], dc.head_dim)
+    ring = draft_cache.ring
+    assert _shard_shape(ring.k[0]) == (1, dc.num_kv_heads // 4, ring.k[0].shape[2], dc.head_dim)
+    assert _axes(draft_cache.pending)[0] == "data" and _shard_shape(draft_cache.num_pending) == (1,)
 
 
 def test_pallas_kernels_inside_shard_map(models, monkeypatch):

@@ -55,6 +55,11 @@ class Proposer(Protocol):
         """After the prompt: final hidden ``[B, Tp, H]``, ``tapped [n, B, Tp, H]``, ``lengths [B]`` prompt tokens."""
         ...
 
+    def flush(self, target: tgt.Target, state: Any) -> Any:
+        """The state a draft reads: work ``commit`` deferred (a drafter's context ingest) done. The round calls
+        it before ``propose``; a proposer that defers nothing returns ``state``."""
+        ...
+
     def propose(
         self, target: tgt.Target, state: Any, anchor: Array, counts: Array, keys: Array, sampling: Sampling, num: int
     ) -> DraftOutput:
@@ -94,6 +99,9 @@ class NoProposer:
         return None
 
     def prefill(self, target: tgt.Target, state: None, hidden: Array, tapped: Array, lengths: Array) -> None:
+        return state
+
+    def flush(self, target: tgt.Target, state: None) -> None:
         return state
 
     def propose(self, *args: Any) -> DraftOutput:
@@ -137,6 +145,9 @@ class OracleProposer:
     def prefill(self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, lengths: Array) -> Array:
         return state
 
+    def flush(self, target: tgt.Target, state: Array) -> Array:
+        return state
+
     def propose(
         self, target: tgt.Target, state: Array, anchor: Array, counts: Array, keys: Array, sampling: Sampling, num: int
     ) -> DraftOutput:
@@ -164,8 +175,8 @@ def as_proposer(drafter: Drafter | Proposer) -> Proposer:
     """A ``Drafter`` wrapped as a proposer; a proposer as is."""
     if isinstance(drafter, Drafter):
         return DrafterProposer(drafter)
-    missing = [name for name in ("taps", "block_limit", "tag", "check_compatible", "init", "prefill", "propose",
-                                 "commit", "with_capacity", "rewind") if not hasattr(drafter, name)]  # fmt: skip
+    missing = [name for name in ("taps", "block_limit", "tag", "check_compatible", "init", "prefill", "flush",
+                                 "propose", "commit", "with_capacity", "rewind") if not hasattr(drafter, name)]  # fmt: skip
     if missing:
         raise TypeError(f"expected a Drafter or a Proposer, got {type(drafter).__name__} (lacks {', '.join(missing)})")
     return drafter

@@ -13,8 +13,8 @@ Flow of a round (docs/ARCHITECTURE.md §4):
 4. **Stop**: the kept tokens are cut at the first stop id and at the row's remaining budget; rows that hit
    either stop (mid-block if need be) and keep their output while the others continue.
 5. **Commit**: the row keeps ``n_keep`` block tokens (anchor + accepted proposals): ``target.replay``
-   (``cache.commit`` for dense targets, GDN recurrent-state replay for hybrids) and the proposer appends
-   those tokens' target features. The last emitted token becomes the next anchor.
+   (``cache.commit`` for dense targets, GDN recurrent-state replay for hybrids) and the proposer takes
+   those tokens' target features (a drafter parks them until its next draft: ``Proposer.flush``). The last emitted token becomes the next anchor.
 
 Capacity: the target cache gets ``T`` slack slots past the planned capacity (the autoregressive one), so
 a verify block never writes past the buffer while row budgets stay those of plain decoding (at most
@@ -98,9 +98,11 @@ def speculative_round(
     # 1. draft
     proposal = None
     block = state.anchor[:, None]
+    proposer_state = state.proposer_state
     if t > 1 or peek:
-        proposal = proposer.propose(target, state.proposer_state, state.anchor, state.counts, key_draft,
-                                    draft_sampling, max(t - 1, 1))  # fmt: skip
+        proposer_state = proposer.flush(target, proposer_state)  # (plain rounds leave the drafter's ingest pending)
+        proposal = proposer.propose(target, proposer_state, state.anchor, state.counts, key_draft, draft_sampling,
+                                    max(t - 1, 1))  # fmt: skip
     if t > 1:
         block = jnp.concatenate([block, proposal.tokens.astype(jnp.int32)], axis=1)  # [B, T]
     # 2. verify
@@ -124,7 +126,7 @@ def speculative_round(
     hit_stop = jnp.any(is_stop & (slots < n_keep[:, None]), axis=1)
     # 5. commit: the anchor and the kept proposals (the last kept token is the next anchor)
     cache = tgt.replay(target, cache, saved, n_keep)
-    proposer_state = proposer.commit(target, state.proposer_state, hidden, tapped, n_keep)
+    proposer_state = proposer.commit(target, proposer_state, hidden, tapped, n_keep)
     last = jnp.take_along_axis(emitted, jnp.maximum(n_keep - 1, 0)[:, None], axis=1)[:, 0]
     remaining = state.remaining - n_keep
     stats = state.stats

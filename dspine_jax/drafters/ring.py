@@ -100,8 +100,8 @@ def context_slot_positions(cache: DraftCache) -> Array:
     return _attention_kernel.ring_positions(cache.lengths, cache.capacity)
 
 
-def fuse_context(drafter: Drafter, tapped: Array) -> Array:
-    """``tapped [n, B, T, H]`` (tap order) → ``ctx = hidden_norm(fc(concat)) [B, T, H]``.
+def concat_taps(drafter: Drafter, tapped: Array) -> Array:
+    """``tapped [n, B, T, H]`` (tap order) → ``[B, T, n·H]`` in the drafter's dtype: what ``fc`` reads.
 
     Concatenation order is tap order along H, like z-lab's ``extract_context_feature``."""
     n, b, t, h = tapped.shape
@@ -110,8 +110,17 @@ def fuse_context(drafter: Drafter, tapped: Array) -> Array:
             f"tapped features have shape {tapped.shape}; the drafter expects "
             f"[{drafter.config.num_taps}, B, T, {drafter.config.hidden_size}]"
         )
-    concat = jnp.transpose(tapped, (1, 2, 0, 3)).reshape(b, t, n * h).astype(drafter.dtype)
-    return rms_norm(concat @ drafter.params.fc, drafter.params.hidden_norm, drafter.config.rms_norm_eps)
+    return jnp.transpose(tapped, (1, 2, 0, 3)).reshape(b, t, n * h).astype(drafter.dtype)
+
+
+def fuse_features(drafter: Drafter, features: Array) -> Array:
+    """Concatenated taps ``[B, T, n·H]`` → ``ctx = hidden_norm(fc(features)) [B, T, H]``."""
+    return rms_norm(features @ drafter.params.fc, drafter.params.hidden_norm, drafter.config.rms_norm_eps)
+
+
+def fuse_context(drafter: Drafter, tapped: Array) -> Array:
+    """``tapped [n, B, T, H]`` (tap order) → ``ctx = hidden_norm(fc(concat)) [B, T, H]``."""
+    return fuse_features(drafter, concat_taps(drafter, tapped))
 
 
 def context_kv(drafter: Drafter, layer: int, ctx: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
@@ -126,15 +135,20 @@ def context_kv(drafter: Drafter, layer: int, ctx: Array, cos: Array, sin: Array)
 
 def append_context(drafter: Drafter, cache: DraftCache, tapped: Array, num_new: Array) -> DraftCache:
     """Commit ``num_new [B]`` (≤ T) tokens' target features ``tapped [n, B, T, H]`` at positions
-    ``lengths … lengths+num_new-1``: every layer's context K/V into the ring, then ``lengths += num_new``.
+    ``lengths … lengths+num_new-1``: every layer's context K/V into the ring, then ``lengths += num_new``."""
+    return append_features(drafter, cache, concat_taps(drafter, tapped), num_new)
+
+
+def append_features(drafter: Drafter, cache: DraftCache, features: Array, num_new: Array) -> DraftCache:
+    """``append_context`` from the concatenated taps ``features [B, T, n·H]`` (``concat_taps``).
 
     Context K/V depend only on ``ctx`` and each layer's own k/v projections, so every layer's are
     computed here, once, rather than inside the draft forward. Only the last ``S`` of a row's new tokens
     are written (a long prompt into a short window ring), so no two writes of one call hit the same slot.
     """
     b, _, s, d = cache.k[0].shape
-    t = tapped.shape[2]
-    ctx = fuse_context(drafter, tapped)  # [B, T, H]
+    t = features.shape[1]
+    ctx = fuse_features(drafter, features)  # [B, T, H]
     positions = cache.lengths[:, None] + jnp.arange(t)  # [B, T]
     cos, sin = rope_cos_sin(positions, d, drafter.config.rope_theta, ctx.dtype)  # [B, T, D]
     num_new = num_new.astype(jnp.int32)

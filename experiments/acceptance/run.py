@@ -60,7 +60,7 @@ class AblatedProposer(DrafterProposer):
         drafter = self.drafter
         if num + 1 < drafter.config.block_size:
             drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
-        fwd = D.forward(drafter, target, state, D.block_tokens(drafter, anchor), inject=self.inject)
+        fwd = D.forward(drafter, target, state.ring, D.block_tokens(drafter, anchor), inject=self.inject)
         unary = drafter.replace(config=dataclasses.replace(drafter.config, kind="dflash"))
         out = D.decode(unary, target, fwd, anchor, keys, sampling)
         return D.DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
