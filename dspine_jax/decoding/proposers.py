@@ -51,8 +51,11 @@ class Proposer(Protocol):
         """Empty state for ``batch`` rows of up to ``capacity`` positions."""
         ...
 
-    def prefill(self, target: tgt.Target, state: Any, hidden: Array, tapped: Array, lengths: Array) -> Any:
-        """After the prompt: final hidden ``[B, Tp, H]``, ``tapped [n, B, Tp, H]``, ``lengths [B]`` prompt tokens."""
+    def prefill(
+        self, target: tgt.Target, state: Any, hidden: Array, tapped: Array, lengths: Array, tokens: Array | None = None
+    ) -> Any:
+        """After the prompt ``tokens [B, Tp]``: final hidden ``[B, Tp, H]``, ``tapped [n, B, Tp, H]``, ``lengths [B]``
+        prompt tokens."""
         ...
 
     def flush(self, target: tgt.Target, state: Any) -> Any:
@@ -68,9 +71,12 @@ class Proposer(Protocol):
         ``sampling``: the rows' own parameters (greedy rows come without filters)."""
         ...
 
-    def commit(self, target: tgt.Target, state: Any, hidden: Array, tapped: Array, num_new: Array) -> Any:
-        """The first ``num_new [B]`` block tokens (anchor first) were committed; ``hidden [B, T, H]``,
-        ``tapped [n, B, T, H]`` are the verify pass's."""
+    def commit(
+        self, target: tgt.Target, state: Any, hidden: Array, tapped: Array, num_new: Array, tokens: Array | None = None
+    ) -> Any:
+        """The first ``num_new [B]`` of the block ``tokens [B, T]`` (anchor first) were committed; ``hidden [B, T, H]``,
+        ``tapped [n, B, T, H]`` are the verify pass's. (An EAGLE-3 / MTP head pairs a token with the previous
+        position's features: it needs the tokens, a drafter reading features only ignores them.)"""
         ...
 
     def with_capacity(self, state: Any, capacity: int) -> Any:
@@ -98,7 +104,7 @@ class NoProposer:
     def init(self, target: tgt.Target, batch: int, capacity: int) -> None:
         return None
 
-    def prefill(self, target: tgt.Target, state: None, hidden: Array, tapped: Array, lengths: Array) -> None:
+    def prefill(self, target: tgt.Target, state: None, hidden: Array, tapped: Array, lengths: Array, tokens: Array | None = None) -> None:
         return state
 
     def flush(self, target: tgt.Target, state: None) -> None:
@@ -107,7 +113,7 @@ class NoProposer:
     def propose(self, *args: Any) -> DraftOutput:
         raise ValueError("NoProposer drafts nothing: run it with verify_len 1")
 
-    def commit(self, target: tgt.Target, state: None, hidden: Array, tapped: Array, num_new: Array) -> None:
+    def commit(self, target: tgt.Target, state: None, hidden: Array, tapped: Array, num_new: Array, tokens: Array | None = None) -> None:
         return state
 
     def with_capacity(self, state: None, capacity: int) -> None:
@@ -142,7 +148,7 @@ class OracleProposer:
     def init(self, target: tgt.Target, batch: int, capacity: int) -> Array:
         return jnp.zeros((batch,), jnp.int32)
 
-    def prefill(self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, lengths: Array) -> Array:
+    def prefill(self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, lengths: Array, tokens: Array | None = None) -> Array:
         return state
 
     def flush(self, target: tgt.Target, state: Array) -> Array:
@@ -161,7 +167,7 @@ class OracleProposer:
         ones = jnp.ones((*tokens.shape, 1), jnp.float32)
         return DraftOutput(tokens=tokens, cand_ids=tokens[..., None], q=ones)  # q: one-hot on the proposal
 
-    def commit(self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, num_new: Array) -> Array:
+    def commit(self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, num_new: Array, tokens: Array | None = None) -> Array:
         return state + 1
 
     def with_capacity(self, state: Array, capacity: int) -> Array:

@@ -126,7 +126,7 @@ def speculative_round(
     hit_stop = jnp.any(is_stop & (slots < n_keep[:, None]), axis=1)
     # 5. commit: the anchor and the kept proposals (the last kept token is the next anchor)
     cache = tgt.replay(target, cache, saved, n_keep)
-    proposer_state = proposer.commit(target, proposer_state, hidden, tapped, n_keep)
+    proposer_state = proposer.commit(target, proposer_state, hidden, tapped, n_keep, block)
     last = jnp.take_along_axis(emitted, jnp.maximum(n_keep - 1, 0)[:, None], axis=1)[:, 0]
     remaining = state.remaining - n_keep
     stats = state.stats
@@ -154,7 +154,7 @@ def prefill(
     hidden, tapped, cache, saved = tgt.forward(target, cache, tokens, proposer.taps)
     # replay = commit for dense targets; for hybrids it keeps pad tokens out of the GDN state.
     cache = tgt.replay(target, cache, saved, lengths)
-    state = proposer.prefill(target, state, hidden, tapped, lengths)
+    state = proposer.prefill(target, state, hidden, tapped, lengths, tokens)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
     first = sample(key, tgt.lm_logits(target, last), temperature, top_p, top_k, greedy)
     return cache, state, first

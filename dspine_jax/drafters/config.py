@@ -15,7 +15,13 @@ Both layouts are a Qwen3 ``config.json`` (``hidden_size``, ``num_attention_heads
   message_size, top_k, …training knobs…}``;
 * DFlash2 (z-lab ``DFlash2DraftModel``): DFlash plus ``conv_kernel_size``, ``conv_group_size``,
   ``selector_rank`` and ``selector_top_k``, each read like z-lab's ``_draft_value``: from
-  ``dflash_config`` first, else the top level.
+  ``dflash_config`` first, else the top level;
+* DSpark (``dspark.py``): DFlash plus ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``,
+  ``confidence_head_with_markov`` and ``sample_from_anchor`` at the top level.
+
+vLLM ``speculators`` checkpoints (``dflash``, ``dflash2``, ``dspark``) nest the layer config and name the
+model by ``speculators_model_type``; they are read through ``flatten_speculators_config`` (written back by
+``speculators_format.nest``).
 
 In-block causality follows the reference implementations (z-lab ``Qwen3DFlashAttention`` and
 SpecForge ``resolve_dflash_is_causal``): an explicit ``is_causal`` applies to every layer; when unset,
@@ -270,11 +276,61 @@ def config_float(cfg: dict[str, Any], key: str, where: str = "config.json") -> f
     return float(value)
 
 
+# A speculators config.json's own keys (kept under "speculators" in the flat layout; ``speculators_format.nest``
+# writes them back) and those the flat layout spells otherwise.
+SPECULATORS_OWN_KEYS = (
+    "speculators_config", "speculators_version", "target_hidden_size", "sliding_window_non_causal", "auto_map",
+)  # fmt: skip
+_SPECULATORS_MOVED_KEYS = (
+    "speculators_model_type", "transformer_layer_config", "aux_hidden_state_layer_ids", "mask_token_id", "architectures",
+)  # fmt: skip
+
+
+def flatten_speculators_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """A vLLM ``speculators`` config.json dict (``dflash``, ``dflash2``, ``dspark``) → this module's flat layout:
+    its ``transformer_layer_config`` at the top level, ``dflash_config {mask_token_id, target_layer_ids}``, the
+    kind's keys at the top level, speculators' own under ``"speculators"``. Its tap ids index HF's
+    ``hidden_states`` (0 = embeddings): ours are one less. Refused: sliding-window layers (speculators windows
+    the context from the block's anchor, we per query) and ``sample_from_anchor`` outside DSpark."""
+    kind = spec.get("speculators_model_type")
+    kinds = {k.name: k for k in _KINDS.values() if k.name in ("dflash", "dflash2", "dspark")}
+    if kind not in kinds:
+        supported = ", ".join(kinds)
+        raise DrafterConfigError(f"speculators model type {kind!r} is not a drafter kind here (supported: {supported})")
+    layer = spec.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise DrafterConfigError("speculators config.json has no transformer_layer_config object")
+    sliding = sorted({t for t in layer.get("layer_types") or [] if t != "full_attention"})
+    if sliding:
+        raise DrafterConfigError(f"speculators draft layers of type {sliding} are not supported: speculators windows the "
+                                 "context from the block's anchor, this package per query (full_attention layers only)")  # fmt: skip
+    if kind != "dspark" and spec.get("sample_from_anchor"):
+        raise DrafterConfigError(f"a speculators {kind} drafter with sample_from_anchor=true is not supported")
+    aux = spec.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+        raise DrafterConfigError(f"speculators aux_hidden_state_layer_ids must be a non-empty list of ints, got {aux}")
+    if min(aux) < 1:
+        raise DrafterConfigError(f"speculators aux_hidden_state_layer_ids {aux} tap hidden state 0 (the embeddings); "
+                                 "the drafter reads layer outputs only (ids >= 1)")  # fmt: skip
+    flat = {k: v for k, v in layer.items() if k not in ("architectures", "auto_map", "transformers_version")}
+    flat.update({k: v for k, v in spec.items() if k not in (*SPECULATORS_OWN_KEYS, *_SPECULATORS_MOVED_KEYS)})
+    flat.update(
+        architectures=[kinds[kind].architecture],
+        block_size=spec.get("block_size", 8),  # speculators' default
+        dflash_config={"mask_token_id": spec.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux]},
+        speculators={k: spec[k] for k in SPECULATORS_OWN_KEYS if k in spec},
+    )
+    return flat
+
+
 def drafter_config_from_dict(cfg: dict[str, Any]) -> DrafterConfig:
     """Parse a z-lab DFlash or SpecForge DSpine ``config.json`` dict into its kind's ``config_class``.
 
     Here: the file's shape (missing keys, unsupported options, layer types); the values' consistency is
-    checked by the config's own ``validate`` as it is built."""
+    checked by the config's own ``validate`` as it is built. A vLLM ``speculators`` config (nested layer
+    config, ``speculators_model_type``) is read through its translation to this layout first."""
+    if "speculators_model_type" in cfg:
+        cfg = flatten_speculators_config(cfg)
     dflash_cfg = cfg.get("dflash_config") or {}
     kind = _kind_of(cfg)
 

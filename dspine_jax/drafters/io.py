@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from dspine_jax.drafters import dflash2, dspine  # noqa: F401  (importing them registers the DSpine and DFlash2 kinds)
+# dflash2, dspark, dspine: imported to register their kinds.
+from dspine_jax.drafters import dflash2, dspark, dspine, eagle3, speculators_format  # noqa: F401
 from dspine_jax.drafters.config import (
     DrafterConfig,
     DrafterConfigError,
@@ -41,7 +42,14 @@ from dspine_jax.drafters.config import (
     drafter_kinds,
     load_drafter_config,
 )
-from dspine_jax.drafters.params import Drafter, DrafterLayer, DrafterParams
+from dspine_jax.drafters.params import (  # noqa: F401  (DRAFTER_MATRICES, pack_drafter, quantize_drafter: re-exported)
+    DRAFTER_MATRICES,
+    Drafter,
+    DrafterLayer,
+    DrafterParams,
+    pack_drafter,
+    quantize_drafter,
+)
 from dspine_jax.models import hub, panels, quant
 from dspine_jax.models.target import Target, resolve_dtype
 from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
@@ -114,6 +122,8 @@ def params_from_tensors(
     """Torch-named, torch-layout tensors → ``DrafterParams``. Consumes every tensor or raises."""
     tensors = strip_prefix(tensors, ["draft_model.", "model."])
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if speculators_format.from_speculators(config):  # the verifier's embedding / head / norm: the target's here
+        tensors = {k: v for k, v in tensors.items() if k not in speculators_format.VERIFIER_TENSORS}
     h, n_taps = config.hidden_size, config.num_taps
 
     def cast(x: np.ndarray) -> jax.Array:
@@ -219,17 +229,29 @@ def drafter_to_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
     return out
 
 
-def save_drafter(drafter: Drafter, path: str | os.PathLike) -> None:
-    """Write ``config.json`` + ``model.safetensors`` in the reference layout (loadable by z-lab's
-    ``DFlashDraftModel.from_pretrained`` / SpecForge's ``DSpineDraftModel``)."""
+def save_drafter(drafter: Drafter, path: str | os.PathLike, format: str | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors``. ``format``: ``"native"``, the kind's reference layout
+    (loadable by z-lab's ``DFlashDraftModel`` / ``DFlash2DraftModel.from_pretrained``, SpecForge's
+    ``DSpineDraftModel``), or ``"speculators"``, vLLM speculators' layout (dflash, dflash2, dspark:
+    ``speculators_format``); None: the kind's ``checkpoint_format`` (DSpark: speculators, else native)."""
+    format = format or getattr(drafter.kind, "checkpoint_format", "native")
+    if format not in ("native", "speculators"):
+        raise ValueError(f"format must be 'native' or 'speculators', got {format!r}")
+    tensors = drafter_to_tensors(drafter)
+    if format == "speculators":
+        cfg = speculators_format.nest(drafter.config)
+        if drafter.params.draft_head is not None:  # speculators keeps the reduced head [Vd, H] in the file
+            head = np.asarray(jax.device_get(quant.dequantize(drafter.params.draft_head)))
+            tensors["lm_head.weight"] = np.ascontiguousarray(head.T)
+    else:
+        cfg = drafter_config_to_dict(drafter.config)
+    cfg["dtype"] = "bfloat16" if drafter.dtype == jnp.bfloat16 else "float32"
     out_dir = Path(path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = drafter_config_to_dict(drafter.config)
-    cfg["dtype"] = "bfloat16" if drafter.dtype == jnp.bfloat16 else "float32"
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     # safetensors directly rather than weights.save_safetensors: the latter's np.ascontiguousarray
     # would turn the 0-d ``transfer_ready`` flag into shape (1,), which torch's load_state_dict rejects.
-    save_file(drafter_to_tensors(drafter), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def cast_drafter(drafter: Drafter, dtype: str | jnp.dtype) -> Drafter:
@@ -463,6 +485,8 @@ def draft_block_size(spec: str | os.PathLike) -> int:
     """The block size a ``--draft`` value stands for, checked without loading any weights (the CLI
     validates its arguments with it before the slow model load)."""
     text = os.fspath(spec)
+    if eagle3.is_eagle3_spec(text):  # a sequential head: its block is the steps it drafts + the anchor
+        return eagle3.eagle3_block_size(text)
     init = _parse_init_draft(text)
     if init is not None:
         return init[1]
@@ -472,39 +496,20 @@ def draft_block_size(spec: str | os.PathLike) -> int:
     return load_drafter_config(hub.resolve_drafter_dir(text)).block_size  # a hub id: fetched (or cached) now
 
 
-def load_draft(spec: str | os.PathLike, target: Target, dtype: str | None = None, quantize: str = "none") -> Drafter:
+def load_draft(
+    spec: str | os.PathLike, target: Target, dtype: str | None = None, quantize: str = "none"
+) -> Drafter | eagle3.Eagle3Proposer:
     """A ``--draft`` CLI value → Drafter: a checkpoint directory or hub repo id (``load_drafter``), or ``init:dspine`` /
     ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
     seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists. ``quantize``
-    as ``quantize_drafter``."""
+    as ``quantize_drafter``. A speculators eagle3 checkpoint or ``init:eagle3[:BLOCK]`` gives an
+    ``Eagle3Proposer`` (``eagle3.load_eagle3_draft``), quantised and packed the same way."""
     text = os.fspath(spec)
+    if eagle3.is_eagle3_spec(text):
+        return eagle3.load_eagle3_draft(text, target, dtype=dtype, quantize=quantize)
     init = _parse_init_draft(text)
     if init is not None:
         drafter = init_drafter(target, init[0], block_size=init[1], dtype=dtype)
     else:
         drafter = load_drafter(text, target, dtype=dtype)
     return pack_drafter(quantize_drafter(drafter, quantize), target)
-
-
-# The drafter's linear weights ``[in, out]`` (fc and every layer's projections); norms, DSpine's injection and
-# DFlash2's convolutions / selector stay in float (small, and read as vectors or rows).
-DRAFTER_MATRICES = ("fc", "q", "k", "v", "o", "gate", "up", "down")
-
-
-def pack_drafter(drafter: Drafter, target: Target) -> Drafter:
-    """``drafter`` with its linear weights and draft head packed for the CPU panel kernel where ``target``'s are
-    (``models/panels.py``): its block forward, context append and unary logits then run like the target's
-    products. An int8 drafter, or a target on XLA's products, leaves it unchanged."""
-    if not panels.is_packed(target.params) or quant.is_quantized(drafter.params):
-        return drafter
-    return drafter.replace(params=panels.pack_params(drafter.params, (*DRAFTER_MATRICES, "draft_head")))
-
-
-def quantize_drafter(drafter: Drafter, quantize: str = "none") -> Drafter:
-    """``drafter`` with weight-only int8 linear weights (``quant.Int8Weight``, per output channel; ``"none"``:
-    unchanged). Its proposals change only by the rounding; verification keeps the output exact."""
-    if quantize not in quant.QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {quant.QUANTIZE_CHOICES}, got {quantize!r}")
-    if quantize == "none":
-        return drafter
-    return drafter.replace(params=quant.quantize_params(drafter.params, DRAFTER_MATRICES))

@@ -13,6 +13,7 @@ from flax import struct
 from jax import Array
 
 from dspine_jax.drafters.config import DrafterConfig, drafter_kind
+from dspine_jax.models import panels, quant
 from dspine_jax.parallel.mesh import weight
 
 # ----------------------------------------------------------------------------------------------
@@ -88,3 +89,32 @@ class Drafter:
 # against whatever context the caller keeps (the ring cache at inference, the whole sequence in training)
 # and against the block's own keys. T' = A·T when A blocks run side by side.
 Attend = Callable[[int, Array, Array, Array], Array]
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight forms (every proposer pytree with ``params`` named like these: block drafters, the EAGLE-3 head)
+
+DrafterLike = TypeVar("DrafterLike")  # a pytree with ``params`` and ``replace`` (``Drafter``, ``Eagle3Proposer``)
+
+# The drafter's linear weights ``[in, out]`` (fc and every layer's projections); norms, DSpine's injection and
+# DFlash2's convolutions / selector stay in float (small, and read as vectors or rows).
+DRAFTER_MATRICES = ("fc", "q", "k", "v", "o", "gate", "up", "down")
+
+
+def pack_drafter(drafter: DrafterLike, target: Any) -> DrafterLike:
+    """``drafter`` with its linear weights and draft head packed for the CPU panel kernel where ``target``'s are
+    (``models/panels.py``): its block forward, context append and unary logits then run like the target's
+    products. An int8 drafter, or a target on XLA's products, leaves it unchanged."""
+    if not panels.is_packed(target.params) or quant.is_quantized(drafter.params):
+        return drafter
+    return drafter.replace(params=panels.pack_params(drafter.params, (*DRAFTER_MATRICES, "draft_head")))
+
+
+def quantize_drafter(drafter: DrafterLike, quantize: str = "none") -> DrafterLike:
+    """``drafter`` with weight-only int8 linear weights (``quant.Int8Weight``, per output channel; ``"none"``:
+    unchanged). Its proposals change only by the rounding; verification keeps the output exact."""
+    if quantize not in quant.QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {quant.QUANTIZE_CHOICES}, got {quantize!r}")
+    if quantize == "none":
+        return drafter
+    return drafter.replace(params=quant.quantize_params(drafter.params, DRAFTER_MATRICES))

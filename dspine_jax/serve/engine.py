@@ -228,7 +228,7 @@ def prefill_rows(
     counts = counts.astype(jnp.int32)
     hidden, tapped, rows, saved = tgt.forward(target, rows, tokens, proposer.taps)
     rows = tgt.replay(target, rows, saved, counts)
-    prows = proposer.prefill(target, prows, hidden, tapped, counts)
+    prows = proposer.prefill(target, prows, hidden, tapped, counts, tokens)
     last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)  # [P, 1, H]
     logits = tgt.lm_logits(target, last)  # [P, 1, V]
     sampled, _ = accept_sampling(jax.random.wrap_key_data(key_data), logits, None, Sampling(temperature, top_p, top_k))

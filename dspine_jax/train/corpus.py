@@ -286,7 +286,7 @@ class FeatureRecorder:
         return FeatureLog(jnp.zeros((batch, capacity, *width), jnp.float16), jnp.zeros((batch,), jnp.int32))
 
     def prefill(self, target: Target, state: FeatureLog, hidden: jax.Array, tapped: jax.Array,
-                lengths: jax.Array) -> FeatureLog:
+                lengths: jax.Array, tokens: jax.Array | None = None) -> FeatureLog:
         return self.commit(target, state, hidden, tapped, lengths)
 
     def flush(self, target: Target, state: FeatureLog) -> FeatureLog:
@@ -296,7 +296,7 @@ class FeatureRecorder:
         raise ValueError("FeatureRecorder drafts nothing: run it with verify_len 1")
 
     def commit(self, target: Target, state: FeatureLog, hidden: jax.Array, tapped: jax.Array,
-               num_new: jax.Array) -> FeatureLog:
+               num_new: jax.Array, tokens: jax.Array | None = None) -> FeatureLog:
         block = stack_features(tapped, hidden).astype(jnp.float16)  # [B, T, n+1, H]
         t = block.shape[1]
         slots = jnp.arange(t)[None, :]

@@ -26,11 +26,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from verify_pieces import report  # this folder is on sys.path when run
 
 from dspine_jax.bench import interleaved_median_ms
 from dspine_jax.models import panels
 from dspine_jax.models import target as tgt
-from verify_pieces import report  # this folder is on sys.path when run
 
 
 def dot(x, w):
