@@ -2,16 +2,23 @@
 
 The decoding itself lives in ``decoding/autoregressive.py`` and ``decoding/speculative.py``; this module
 only parses arguments, loads the target, tokenizer and drafter, and prints the text (or ``--json``).
+``--tp`` / ``--dp`` decode on a ``data`` × ``model`` mesh; with ``--coordinator HOST:PORT --num-processes N
+--process-id I`` (or ``--distributed`` on Cloud TPU) every process runs this same command, the mesh spans all
+their devices, and process 0 alone prints (``dspine_jax/parallel/distributed.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh
 
 from dspine_jax.decoding import decoder, speculative
 from dspine_jax.decoding.autoregressive import generate
@@ -21,6 +28,9 @@ from dspine_jax.models import target as tgt
 from dspine_jax.models import tokenizer as tokenizer_io
 from dspine_jax.models.sampling import validate_sampling
 from dspine_jax.models.tokenizer import encode_prompt
+from dspine_jax.parallel import distributed
+from dspine_jax.parallel.mesh import make_mesh, use_mesh
+from dspine_jax.parallel.sharding import shard_drafter, shard_target
 
 _log = logging.getLogger("dspine_jax")
 
@@ -33,6 +43,11 @@ def check_args(parser, args) -> None:
         validate_sampling(args.temperature, args.top_p, args.top_k)
     except ValueError as e:
         parser.error(f"invalid sampling parameters: {e}")
+    if args.tp < 1 or args.dp < 1:
+        parser.error(f"--tp and --dp must be >= 1 (got --tp {args.tp} --dp {args.dp})")
+    if (args.tp, args.dp) != (1, 1) and args.quantize != "none":
+        parser.error("--quantize int8 runs on one device; drop --tp / --dp")
+    distributed.check_arguments(parser, args)
     if args.draft is None:
         for flag, value in (("--verify", args.verify), ("--block-size", args.block_size), ("--sps-table", args.sps_table)):
             if value is not None:
@@ -84,8 +99,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "plain decode step) or a fixed length N")
     parser.add_argument("--block-size", type=int, help="a fixed verify length (the older name of --verify N)")
     parser.add_argument("--sps-table", help="dynamic-verification table from python -m dspine_jax.tune")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: heads and MLP split over this many devices")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree: rows split over this many device groups "
+                        "(the prompt is repeated to fill them)")
+    distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     check_args(parser, args)
+    try:  # before anything touches a device: the runtime must own them from the start
+        distributed.initialize_from_args(args)
+    except ConnectionError as e:
+        parser.exit(1, f"error: {e}\n")
+    leader = distributed.is_leader()
+    try:  # a mesh this machine (or this set of processes) cannot build fails before the slow load
+        mesh = make_run_mesh(args.tp, args.dp)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
     enable_compilation_cache()
     # transformers' "PyTorch was not found" advice is noise here: nothing in this command uses torch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -95,29 +123,56 @@ def main(argv: Sequence[str] | None = None) -> None:
         _log.addHandler(handler)
         _log.setLevel(logging.INFO)
 
-    try:
-        target = tgt.load_target(args.model, dtype=args.dtype, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype)
-        tok = tokenizer_io.load_tokenizer(args.model)
-        prompt = encode_prompt(tok, args.prompt, args.chat)
-        max_new_tokens = args.max_new_tokens
-        cap = max_new_tokens_cap([len(prompt)], target.config.max_position_embeddings)
-        if 1 <= cap < max_new_tokens:  # (cap < 1: the prompt itself does not fit; generate says so)
-            print(f"warning: --max-new-tokens {max_new_tokens} is more than the context can hold "
-                  f"({target.config.max_position_embeddings} positions, {len(prompt)}-token prompt): "
-                  f"capped at {cap}", file=sys.stderr)
-            max_new_tokens = cap
-        sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        if args.draft:
-            drafter = drafter_io.load_draft(args.draft, target, quantize=args.quantize)
-            result = speculative.speculative_generate(target, drafter, [prompt], max_new_tokens, **sampling,
-                                                      verify=args.verify or "auto", block_size=args.block_size,
-                                                      sps_table=args.sps_table)
-        else:
-            result = generate(target, [prompt], max_new_tokens, **sampling)
-    except (ValueError, FileNotFoundError) as e:
-        parser.exit(2, f"error: {e}\n")
-    except ImportError as e:  # e.g. transformers' chat templates need jinja2: say which package, no traceback
-        parser.exit(1, f"error: a package this command needs is missing: {e}\n")
+    # Under the multi-process runtime the collectives' own chatter must stay off stdout (the result goes there).
+    quiet = distributed.stdout_to_stderr() if jax.distributed.is_initialized() else contextlib.nullcontext()
+    with quiet:
+        try:
+            target = tgt.load_target(args.model, dtype=args.dtype, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype)
+            tok = tokenizer_io.load_tokenizer(args.model)
+            prompt = encode_prompt(tok, args.prompt, args.chat)
+            max_new_tokens = args.max_new_tokens
+            cap = max_new_tokens_cap([len(prompt)], target.config.max_position_embeddings)
+            if 1 <= cap < max_new_tokens:  # (cap < 1: the prompt itself does not fit; generate says so)
+                if leader:
+                    print(f"warning: --max-new-tokens {max_new_tokens} is more than the context can hold "
+                          f"({target.config.max_position_embeddings} positions, {len(prompt)}-token prompt): "
+                          f"capped at {cap}", file=sys.stderr)
+                max_new_tokens = cap
+            sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+            drafter = drafter_io.load_draft(args.draft, target, quantize=args.quantize) if args.draft else None
+            if mesh is not None:
+                target = shard_target(target, mesh)
+                drafter = shard_drafter(drafter, mesh) if drafter is not None else None
+            # One row per data group: the rows split over ``data`` (row 0 is the answer; the copies decode alike).
+            prompts = [prompt] * args.dp
+            with use_mesh(mesh):
+                if drafter is not None:
+                    result = speculative.speculative_generate(target, drafter, prompts, max_new_tokens, **sampling,
+                                                              verify=args.verify or "auto", block_size=args.block_size,
+                                                              sps_table=args.sps_table)  # fmt: skip
+                else:
+                    result = generate(target, prompts, max_new_tokens, **sampling)
+        except (ValueError, FileNotFoundError) as e:
+            parser.exit(2, f"error: {e}\n")
+        except ImportError as e:  # e.g. transformers' chat templates need jinja2: say which package, no traceback
+            parser.exit(1, f"error: a package this command needs is missing: {e}\n")
+    if leader:  # every process holds the same result; one prints it
+        report(args, tok, result)
+
+
+def make_run_mesh(tp: int, dp: int) -> Mesh | None:
+    """The ``data`` × ``model`` mesh of ``--tp`` / ``--dp`` (None: one device). With several processes it must
+    cover every process's devices: a process with no device in the mesh could not take part."""
+    if not distributed.multiprocess():
+        return make_mesh(tp=tp, dp=dp) if (tp, dp) != (1, 1) else None
+    if tp * dp != jax.device_count():
+        raise ValueError(f"{jax.process_count()} processes hold {jax.device_count()} devices "
+                         f"({jax.local_device_count()} each): --tp {tp} x --dp {dp} must use all of them")  # fmt: skip
+    return make_mesh(tp=tp, dp=dp)
+
+
+def report(args: argparse.Namespace, tok, result) -> None:
+    """Print row 0 of ``result``: its text (and a timing line on stderr), or ``--json``."""
     tokens = result.token_ids[0]
     text = tok.decode(tokens, skip_special_tokens=True)
     if args.json:
@@ -131,9 +186,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             record["mean_acceptance"] = round(result.mean_acceptance, 4)
             record["verify_lengths"] = result.verify_lengths[0]
             record["calibration_seconds"] = round(result.calibration_seconds, 4)
-        print(json.dumps(record))
+        print(json.dumps(record), flush=True)
     else:
-        print(text)
+        print(text, flush=True)
         calibration = getattr(result, "calibration_seconds", 0.0)
         extra = f", verify-cost calibration {calibration:.1f}s (once)" if calibration else ""
         print(f"[{len(tokens)} tokens in {result.seconds:.2f}s, {result.tokens_per_second:.1f} tok/s; "

@@ -36,6 +36,7 @@ from dspine_jax.decoding.adaptive import VerifyPolicy
 from dspine_jax.decoding.proposers import Proposer
 from dspine_jax.decoding.round import DecodeState, speculative_round
 from dspine_jax.models import target as tgt
+from dspine_jax.parallel import distributed
 
 _log = logging.getLogger("dspine_jax")
 
@@ -258,6 +259,11 @@ def forget_priors() -> None:
     _PRIORS.clear()
 
 
+def _entry_template(lengths: Sequence[int]) -> tuple[dict[int, float], dict[int, int]]:
+    """The shape of a cost-cache entry for ``lengths`` (``adaptive.load_cost_entry``'s)."""
+    return {t: 0.0 for t in lengths}, {t: 0 for t in lengths}
+
+
 class Decoder:
     """Which verify length each segment runs at, for one target and proposer.
 
@@ -337,7 +343,8 @@ class Decoder:
             entry = _Bucket(key=None, estimate=adaptive.CostEstimate(given))
         else:
             key = adaptive.costs_key(self.target, f"{self.scope}{self.proposer.tag}", bucket, self.candidates)
-            cached = adaptive.load_cost_entry(key)
+            # Several processes must choose alike: process 0's cache decides for all.
+            cached = distributed.agree_optional(adaptive.load_cost_entry(key), _entry_template(self.candidates))
             entry = _Bucket(key=key, estimate=adaptive.CostEstimate(*cached) if cached else None)
             if entry.estimate is None:
                 entry.calibration = Calibration(self.candidates)
@@ -426,8 +433,8 @@ class Decoder:
         if not self.candidates or self.schedule is not None:
             return None
         if self._key is None:  # per drafter: its shapes and a fingerprint of its and the target's weights
-            values = [np.asarray(jnp.ravel(leaf)[:PRIOR_FINGERPRINT]) for tree in (self.target, self.proposer)
-                      for leaf in jax.tree.leaves(tree)[:4]]  # fmt: skip
+            values = distributed.to_host([jnp.ravel(leaf)[:PRIOR_FINGERPRINT] for tree in (self.target, self.proposer)
+                                          for leaf in jax.tree.leaves(tree)[:4]])  # fmt: skip
             digest = hashlib.sha256(b"".join(v.tobytes() for v in values)).hexdigest()[:16]
             self._key = f"{adaptive.costs_key(self.target, self.scope + self.proposer.tag, 1, self.candidates)}|{digest}"
         return self._key
@@ -442,7 +449,7 @@ class Decoder:
         """Pass the rows' final statistics on to the next run with this target and drafter (``adaptive.carried``)."""
         key = self._prior_key()
         if key is not None:
-            _PRIORS[key] = jax.device_get(adaptive.carried(stats, np.ones(stats.wait.shape, bool)))
+            _PRIORS[key] = distributed.to_host(adaptive.carried(stats, np.ones(stats.wait.shape, bool)))
 
     def store(self) -> None:
         """Keep what decoding measured in the cost cache, for the next run."""

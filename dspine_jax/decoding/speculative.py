@@ -27,6 +27,7 @@ from dspine_jax.decoding.proposers import Proposer, as_proposer
 from dspine_jax.drafters.params import Drafter
 from dspine_jax.models import target as tgt
 from dspine_jax.models.sampling import Sampling
+from dspine_jax.parallel.distributed import agree, to_host
 
 TOKEN_BUCKET = 32  # the output buffer width is max_new_tokens rounded up (max_new_tokens itself is traced)
 STOP_BUCKET = 8  # stop ids are padded with -1 to a multiple of this, so their count does not recompile
@@ -156,7 +157,7 @@ def speculative_generate(
                                                          verify_len=t, greedy=greedy))  # fmt: skip
             return time.perf_counter() - clock_start, int(tr.iterations)
 
-        calibration = decoder.calibrate(batch, measure)
+        calibration = decoder.calibrate(batch, lambda t: agree(measure(t)))  # process 0's clock for all
 
     decode_start = time.perf_counter()
     alive, done = bool(jnp.any(state.running)), 0
@@ -168,13 +169,16 @@ def speculative_generate(
                                                 verify_len=plan.length, greedy=greedy, peek=plan.peek)  # fmt: skip
         choice, iterations = jax.device_get((choice, transcript.iterations))
         alive = bool(choice.alive)
-        decoder.observe(batch, plan, time.perf_counter() - segment_begin, int(iterations) - done, choice)
+        seconds = time.perf_counter() - segment_begin
+        if decoder.candidates:  # timings choose lengths: with several processes, all use process 0's
+            seconds = agree(seconds)
+        decoder.observe(batch, plan, seconds, int(iterations) - done, choice)
         done = int(iterations)
     transcript = jax.block_until_ready(transcript)
     decode_seconds = start_seconds + time.perf_counter() - decode_start
     decoder.store()
     decoder.remember(state.stats)
-    got = jax.device_get(transcript)
+    got = to_host(transcript)  # rows split over processes are gathered
 
     n = len(rows)
     return SpeculativeResult(

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from dspine_jax.drafters.params import Drafter
 from dspine_jax.models import panels, quant
 from dspine_jax.models.target import Target
+from dspine_jax.parallel.distributed import put
 from dspine_jax.parallel.mesh import MODEL, logical_spec
 
 
@@ -42,7 +43,7 @@ def _put(value: Any, axes: tuple[str | None, ...] | None, mesh: Mesh) -> Any:
     if not isinstance(value, jax.Array):
         return value
     spec = logical_spec(value.shape, axes or (None,) * value.ndim, dict(mesh.shape))
-    return jax.device_put(value, NamedSharding(mesh, spec))
+    return put(value, NamedSharding(mesh, spec))  # (each process transfers only its own shards)
 
 
 def place(node: Any, config: Any, mesh: Mesh, splits: dict[str, bool] | None = None) -> Any:
