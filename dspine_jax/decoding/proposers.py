@@ -104,7 +104,9 @@ class NoProposer:
     def init(self, target: tgt.Target, batch: int, capacity: int) -> None:
         return None
 
-    def prefill(self, target: tgt.Target, state: None, hidden: Array, tapped: Array, lengths: Array, tokens: Array | None = None) -> None:
+    def prefill(
+        self, target: tgt.Target, state: None, hidden: Array, tapped: Array, lengths: Array, tokens: Array | None = None
+    ) -> None:
         return state
 
     def flush(self, target: tgt.Target, state: None) -> None:
@@ -113,7 +115,9 @@ class NoProposer:
     def propose(self, *args: Any) -> DraftOutput:
         raise ValueError("NoProposer drafts nothing: run it with verify_len 1")
 
-    def commit(self, target: tgt.Target, state: None, hidden: Array, tapped: Array, num_new: Array, tokens: Array | None = None) -> None:
+    def commit(
+        self, target: tgt.Target, state: None, hidden: Array, tapped: Array, num_new: Array, tokens: Array | None = None
+    ) -> None:
         return state
 
     def with_capacity(self, state: None, capacity: int) -> None:
@@ -148,7 +152,10 @@ class OracleProposer:
     def init(self, target: tgt.Target, batch: int, capacity: int) -> Array:
         return jnp.zeros((batch,), jnp.int32)
 
-    def prefill(self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, lengths: Array, tokens: Array | None = None) -> Array:
+    def prefill(
+        self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, lengths: Array,
+        tokens: Array | None = None,
+    ) -> Array:
         return state
 
     def flush(self, target: tgt.Target, state: Array) -> Array:
@@ -167,7 +174,10 @@ class OracleProposer:
         ones = jnp.ones((*tokens.shape, 1), jnp.float32)
         return DraftOutput(tokens=tokens, cand_ids=tokens[..., None], q=ones)  # q: one-hot on the proposal
 
-    def commit(self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, num_new: Array, tokens: Array | None = None) -> Array:
+    def commit(
+        self, target: tgt.Target, state: Array, hidden: Array, tapped: Array, num_new: Array,
+        tokens: Array | None = None,
+    ) -> Array:
         return state + 1
 
     def with_capacity(self, state: Array, capacity: int) -> Array:

@@ -14,7 +14,8 @@ Flow of a round (docs/ARCHITECTURE.md §4):
    either stop (mid-block if need be) and keep their output while the others continue.
 5. **Commit**: the row keeps ``n_keep`` block tokens (anchor + accepted proposals): ``target.replay``
    (``cache.commit`` for dense targets, GDN recurrent-state replay for hybrids) and the proposer takes
-   those tokens' target features (a drafter parks them until its next draft: ``Proposer.flush``). The last emitted token becomes the next anchor.
+   those tokens and their target features (a drafter parks the features until its next draft:
+   ``Proposer.flush``). The last emitted token becomes the next anchor.
 
 Capacity: the target cache gets ``T`` slack slots past the planned capacity (the autoregressive one), so
 a verify block never writes past the buffer while row budgets stay those of plain decoding (at most

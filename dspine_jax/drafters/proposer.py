@@ -100,7 +100,10 @@ class DrafterProposer:
 
         return jax.lax.cond(jnp.any(state.num_pending > 0), append, lambda s: s, state)
 
-    def prefill(self, target: tgt.Target, state: DrafterState, hidden: Array, tapped: Array, lengths: Array, tokens: Array | None = None) -> DrafterState:
+    def prefill(
+        self, target: tgt.Target, state: DrafterState, hidden: Array, tapped: Array, lengths: Array,
+        tokens: Array | None = None,
+    ) -> DrafterState:
         state = self.flush(target, state)  # (a chunked prompt continues after every committed position)
         return state.replace(ring=append_context(self.drafter, state.ring, tapped, lengths))
 
@@ -117,7 +120,10 @@ class DrafterProposer:
         out = draft(drafter, target, state.ring, anchor, keys, sampling)
         return DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
 
-    def commit(self, target: tgt.Target, state: DrafterState, hidden: Array, tapped: Array, num_new: Array, tokens: Array | None = None) -> DrafterState:
+    def commit(
+        self, target: tgt.Target, state: DrafterState, hidden: Array, tapped: Array, num_new: Array,
+        tokens: Array | None = None,
+    ) -> DrafterState:
         """Park the ``num_new [B]`` committed tokens' taps in ``pending`` (flushing first if they would not fit)."""
         features = concat_taps(self.drafter, tapped)  # [B, T, n·H]
         b, t, _ = features.shape
