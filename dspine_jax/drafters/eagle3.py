@@ -48,6 +48,7 @@ from safetensors.numpy import save_file
 
 from dspine_jax.drafters.drafter import DraftOutput, choose
 from dspine_jax.drafters.params import pack_drafter, quantize_drafter
+from dspine_jax.drafters.speculators_format import SPECULATORS_VERSION  # the format we write (and test against)
 from dspine_jax.models import hub, quant
 from dspine_jax.models.cache import sharded_zeros
 from dspine_jax.models.layers import MASK_VALUE, apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
@@ -56,7 +57,6 @@ from dspine_jax.models.target import Target, resolve_dtype
 from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
 
 KIND = "eagle3"
-SPECULATORS_VERSION = "0.9.0"  # the format we write (and test against)
 LAYER_TYPES = ("llama", "qwen3")  # speculators' eagle3 decoder layers (qwen3 adds per-head q/k norms)
 # (Eagle3Layer field, torch suffix under ``layers.{i}.``, transpose to [in, out]?)
 _LAYER_SPEC: tuple[tuple[str, str, bool], ...] = (
