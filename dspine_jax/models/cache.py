@@ -28,7 +28,7 @@ from flax import struct
 from jax import Array
 
 from dspine_jax.models.config import HybridConfig, TargetConfig
-from dspine_jax.parallel.mesh import constrain
+from dspine_jax.parallel.mesh import constrain, per_device
 
 # Logical layouts (dspine_jax/parallel/mesh.py): rows over ``data``, KV / value heads over ``model``.
 KV_AXES = ("batch", "kv_heads", None, None)  # [B, K, S, D]
@@ -138,13 +138,15 @@ def write_block(
     out-of-range positions).
     """
     heads = block.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    # Per device on a mesh: each device writes its own rows and heads. GSPMD does not see that a row-indexed
+    # write stays on the row's data shard and would move every row's block to the first shard and back (two
+    # collective-permutes per layer and round; the ones that cross hosts when ``data`` does).
+    write = per_device(lambda c, x, n: _write_heads_major(c, x, n, scatter_above), [KV_AXES, KV_AXES, ("batch",)],
+                       KV_AXES)  # fmt: skip
     if isinstance(cache, Int8KV):
         q, scale = quantize_kv(heads)
-        return Int8KV(
-            q=_write_heads_major(cache.q, q, lengths, scatter_above),
-            scale=_write_heads_major(cache.scale, scale, lengths, scatter_above),
-        )
-    return _write_heads_major(cache, heads, lengths, scatter_above)
+        return Int8KV(q=write(cache.q, q, lengths), scale=write(cache.scale, scale, lengths))
+    return write(cache, heads, lengths)
 
 
 class _Rows:
