@@ -54,23 +54,21 @@ from dspine_jax.models.cache import sharded_zeros
 from dspine_jax.models.layers import MASK_VALUE, apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
 from dspine_jax.models.sampling import Sampling, process_rows, split_rows
 from dspine_jax.models.target import Target, resolve_dtype
-from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
+from dspine_jax.models.weights import (
+    DECODER_LAYER_TENSORS,
+    CheckpointError,
+    check_consumed,
+    load_safetensors_dir,
+    strip_prefix,
+    take,
+)
 
 KIND = "eagle3"
 LAYER_TYPES = ("llama", "qwen3")  # speculators' eagle3 decoder layers (qwen3 adds per-head q/k norms)
-# (Eagle3Layer field, torch suffix under ``layers.{i}.``, transpose to [in, out]?)
-_LAYER_SPEC: tuple[tuple[str, str, bool], ...] = (
-    ("input_norm", "input_layernorm.weight", False),
-    ("q", "self_attn.q_proj.weight", True),
-    ("k", "self_attn.k_proj.weight", True),
-    ("v", "self_attn.v_proj.weight", True),
-    ("o", "self_attn.o_proj.weight", True),
-    ("post_norm", "post_attention_layernorm.weight", False),
-    ("gate", "mlp.gate_proj.weight", True),
-    ("up", "mlp.up_proj.weight", True),
-    ("down", "mlp.down_proj.weight", True),
-)
-_QK_NORMS = (("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight"))
+# (Eagle3Layer field, torch suffix under ``layers.{i}.``, transpose?): a decoder layer's tensors, the qwen3 q/k
+# norms apart (a llama layer has none).
+_QK_NORMS = tuple((field, suffix) for field, suffix, _ in DECODER_LAYER_TENSORS if field in ("q_norm", "k_norm"))
+_LAYER_SPEC = tuple(entry for entry in DECODER_LAYER_TENSORS if entry[0] not in ("q_norm", "k_norm"))
 # speculators keeps a frozen copy of the verifier's final norm / head for its training loss; not part of drafting.
 _TRAINING_ONLY = ("verifier_norm.weight", "verifier_lm_head.weight")
 

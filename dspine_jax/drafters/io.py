@@ -52,21 +52,13 @@ from dspine_jax.drafters.params import (  # noqa: F401  (DRAFTER_MATRICES, pack_
 )
 from dspine_jax.models import hub, panels, quant
 from dspine_jax.models.target import Target, resolve_dtype
-from dspine_jax.models.weights import CheckpointError, check_consumed, load_safetensors_dir, strip_prefix, take
-
-# (our DrafterLayer field, torch suffix under layers.{i}., transpose to [in, out]?)
-_LAYER_SPEC: tuple[tuple[str, str, bool], ...] = (
-    ("input_norm", "input_layernorm.weight", False),
-    ("q", "self_attn.q_proj.weight", True),
-    ("k", "self_attn.k_proj.weight", True),
-    ("v", "self_attn.v_proj.weight", True),
-    ("o", "self_attn.o_proj.weight", True),
-    ("q_norm", "self_attn.q_norm.weight", False),
-    ("k_norm", "self_attn.k_norm.weight", False),
-    ("post_norm", "post_attention_layernorm.weight", False),
-    ("gate", "mlp.gate_proj.weight", True),
-    ("up", "mlp.up_proj.weight", True),
-    ("down", "mlp.down_proj.weight", True),
+from dspine_jax.models.weights import (
+    DECODER_LAYER_TENSORS,
+    CheckpointError,
+    check_consumed,
+    load_safetensors_dir,
+    strip_prefix,
+    take,
 )
 
 
@@ -136,7 +128,7 @@ def params_from_tensors(
     layers = []
     for i in range(config.num_layers):
         weights = {}
-        for field, suffix, transpose in _LAYER_SPEC:
+        for field, suffix, transpose in DECODER_LAYER_TENSORS:
             w = take(tensors, f"layers.{i}.{suffix}", shapes[field])
             weights[field] = cast(w.T if transpose else w)
         layers.append(DrafterLayer(**weights))
@@ -219,7 +211,7 @@ def drafter_to_tensors(drafter: Drafter) -> dict[str, np.ndarray]:
 
     out = {"fc.weight": host(p.fc, True), "hidden_norm.weight": host(p.hidden_norm), "norm.weight": host(p.norm)}
     for i, layer in enumerate(p.layers):
-        for field, suffix, transpose in _LAYER_SPEC:
+        for field, suffix, transpose in DECODER_LAYER_TENSORS:
             out[f"layers.{i}.{suffix}"] = host(getattr(layer, field), transpose)
     out.update(drafter_kind(c.kind).params_tensors(p, c, host))
     if p.draft_ids is not None:  # EAGLE-3's spelling: offsets d2t and the membership mask t2d

@@ -129,9 +129,8 @@ class DrafterProposer:
         b, t, _ = features.shape
         slots = state.pending.shape[1]
         num_new = num_new.astype(jnp.int32)
-        if t > slots:  # (never for a block within block_size; kept exact anyway)
-            state = self.flush(target, state)
-            return state.replace(ring=append_features(self.drafter, state.ring, features, num_new))
+        if t > slots:  # (the round's blocks are at most block_limit = block_size ≤ slots)
+            raise ValueError(f"a block of {t} tokens is longer than the drafter's {slots} pending slots")
         full = jnp.any(state.num_pending + num_new > slots)
         state = jax.lax.cond(full, lambda s: self.flush(target, s), lambda s: s, state)
         offset = jnp.arange(t)[None, :]  # [1, T]

@@ -14,6 +14,22 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+# A Llama / Qwen3 decoder layer's HF tensors (drafters store their layers in this form): (our field, suffix under
+# ``layers.{i}.``, transpose torch's [out, in] to [in, out]?). ``q_norm`` / ``k_norm``: Qwen3's per-head norms.
+DECODER_LAYER_TENSORS: tuple[tuple[str, str, bool], ...] = (
+    ("input_norm", "input_layernorm.weight", False),
+    ("q", "self_attn.q_proj.weight", True),
+    ("k", "self_attn.k_proj.weight", True),
+    ("v", "self_attn.v_proj.weight", True),
+    ("o", "self_attn.o_proj.weight", True),
+    ("q_norm", "self_attn.q_norm.weight", False),
+    ("k_norm", "self_attn.k_norm.weight", False),
+    ("post_norm", "post_attention_layernorm.weight", False),
+    ("gate", "mlp.gate_proj.weight", True),
+    ("up", "mlp.up_proj.weight", True),
+    ("down", "mlp.down_proj.weight", True),
+)
+
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or does not fit the model it is loaded into."""
