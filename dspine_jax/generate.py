@@ -18,7 +18,6 @@ import sys
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import Mesh
 
 from dspine_jax.decoding import decoder, speculative
 from dspine_jax.decoding.autoregressive import generate
@@ -29,7 +28,7 @@ from dspine_jax.models import tokenizer as tokenizer_io
 from dspine_jax.models.sampling import validate_sampling
 from dspine_jax.models.tokenizer import encode_prompt
 from dspine_jax.parallel import distributed
-from dspine_jax.parallel.mesh import make_mesh, use_mesh
+from dspine_jax.parallel.mesh import make_run_mesh, use_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
 
 _log = logging.getLogger("dspine_jax")
@@ -158,17 +157,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.exit(1, f"error: a package this command needs is missing: {e}\n")
     if leader:  # every process holds the same result; one prints it
         report(args, tok, result)
-
-
-def make_run_mesh(tp: int, dp: int) -> Mesh | None:
-    """The ``data`` × ``model`` mesh of ``--tp`` / ``--dp`` (None: one device). With several processes it must
-    cover every process's devices: a process with no device in the mesh could not take part."""
-    if not distributed.multiprocess():
-        return make_mesh(tp=tp, dp=dp) if (tp, dp) != (1, 1) else None
-    if tp * dp != jax.device_count():
-        raise ValueError(f"{jax.process_count()} processes hold {jax.device_count()} devices "
-                         f"({jax.local_device_count()} each): --tp {tp} x --dp {dp} must use all of them")  # fmt: skip
-    return make_mesh(tp=tp, dp=dp)
 
 
 def report(args: argparse.Namespace, tok, result) -> None:

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="start the runtime from the environment JAX reads by itself (Cloud TPU, SLURM …)")
     group.add_argument("--coordinator-timeout", type=int, default=DEFAULT_TIMEOUT_SECONDS, metavar="SECONDS",
                        help=f"give up if the coordinator and every peer are not reachable within this time "
-                       f"(default {DEFAULT_TIMEOUT_SECONDS})")
+                       f"(default: {DEFAULT_TIMEOUT_SECONDS})")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -164,6 +164,24 @@ def agree_optional(value: Any, template: Any) -> Any:
     shaped = value is not None and jax.tree.structure(value) == jax.tree.structure(template)
     present, agreed = agree((np.bool_(shaped), value if shaped else template))
     return agreed if present else None
+
+
+class DivergenceError(RuntimeError):
+    """Processes that should have computed the same thing did not."""
+
+
+def check_step(seconds: float, digest: int) -> float:
+    """One collective per engine step across processes: every process's ``digest`` of what the step emitted
+    (as each process read it) must be equal, else ``DivergenceError`` on every process alike; returns
+    process 0's ``seconds`` (the step's time, which refines the verify costs, so every process plans alike).
+    One process: ``seconds``."""
+    if not multiprocess():
+        return seconds
+    mine = np.asarray([digest & 0x7FFFFFFF, min(int(seconds * 1e6), 2**31 - 1)], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 2]
+    if np.any(every[:, 0] != every[0, 0]):
+        raise DivergenceError(f"processes emitted different tokens in one step (digests {every[:, 0].tolist()})")
+    return float(every[0, 1]) / 1e6
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@ from flax import struct
 from jax import Array
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
+from dspine_jax.parallel import distributed
+
 DATA, MODEL = "data", "model"
 
 # Logical axis → mesh axis. Heads, KV heads, MLP width and the LM-head vocabulary are split over ``model``
@@ -137,3 +139,14 @@ def per_device(fn: Callable[..., Array], in_axes: Sequence[Axes | None], out_axe
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec(out_axes), check_vma=False)(*args)
 
     return wrapped
+
+
+def make_run_mesh(tp: int, dp: int) -> Mesh | None:
+    """The ``data`` × ``model`` mesh of ``--tp`` / ``--dp`` (None: one device). With several processes it must
+    cover every process's devices: a process with no device in the mesh could not take part."""
+    if not distributed.multiprocess():
+        return make_mesh(tp=tp, dp=dp) if (tp, dp) != (1, 1) else None
+    if tp * dp != jax.device_count():
+        raise ValueError(f"{jax.process_count()} processes hold {jax.device_count()} devices "
+                         f"({jax.local_device_count()} each): --tp {tp} x --dp {dp} must use all of them")  # fmt: skip
+    return make_mesh(tp=tp, dp=dp)

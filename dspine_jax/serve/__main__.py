@@ -20,6 +20,7 @@ import argparse
 import os
 import pathlib
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,10 +33,12 @@ from dspine_jax.decoding.planning import enable_compilation_cache
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models import target as tgt
 from dspine_jax.models import tokenizer as tokenizer_io
-from dspine_jax.parallel.mesh import make_mesh
+from dspine_jax.parallel import distributed
+from dspine_jax.parallel.mesh import make_run_mesh
+from dspine_jax.serve import replica
 from dspine_jax.serve.engine import DEFAULT_PREFILL_CHUNK, MIN_PROMPT_BUCKET, WARMUP_MODES, EngineCore
 from dspine_jax.serve.programs import DEFAULT_MAX_PROGRAMS
-from dspine_jax.serve.scheduler import StartupError
+from dspine_jax.serve.scheduler import AsyncEngine, StartupError
 from dspine_jax.serve.server import ServerConfig, build_app
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -46,7 +49,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default in ``--help``; a computed default (None) is explained by the option's own help."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None and "(default:" in (action.help or ""):
+        if "(default:" in (action.help or ""):  # (computed, or said in the help)
             return action.help
         return super()._get_help_string(action)
 
@@ -107,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "half of the kernel's vm.max_map_count memory maps): bounds memory however many shapes traffic "
                         "touches")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    distributed.add_arguments(p)
+    p.add_argument("--peer-timeout", type=int, default=replica.DEFAULT_PEER_TIMEOUT_S, metavar="SECONDS",
+                   help="several processes: the longest any process waits for the others in one engine call "
+                        "(compiles included) before failing every request with a 503 and exiting")
     return p
 
 
@@ -163,7 +170,11 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    distributed.check_arguments(parser, args)
+    if args.peer_timeout < 1:
+        sys.exit("error: --peer-timeout must be >= 1")
     if args.max_running_requests < 1 or args.max_queued_requests < 0:
         sys.exit("error: --max-running-requests must be >= 1 and --max-queued-requests >= 0")
     if args.prefix_cache_mb < 0:
@@ -183,11 +194,17 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"error: --verify: {e}")
 
+    try:  # before anything touches a device: the runtime must own them from the start
+        distributed.initialize_from_args(args)
+    except ConnectionError as e:
+        sys.exit(f"error: {e}")
+    where = f" {jax.process_index()}/{jax.process_count()}" if distributed.multiprocess() else ""
+
     def log(msg: str) -> None:
-        print(f"[dspine_jax.serve] {msg}", file=sys.stderr, flush=True)
+        print(f"[dspine_jax.serve{where}] {msg}", file=sys.stderr, flush=True)
 
     try:  # before loading anything: a mesh this machine cannot build should fail at once
-        mesh = make_mesh(tp=args.tp, dp=args.dp) if (args.tp, args.dp) != (1, 1) else None
+        mesh = make_run_mesh(args.tp, args.dp)
         if mesh is not None and args.max_running_requests % args.dp:
             raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of --dp {args.dp}")
         if mesh is not None and args.quantize != "none":
@@ -195,8 +212,33 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     enable_compilation_cache()
+    if distributed.multiprocess():
+        with distributed.stdout_to_stderr():  # (gloo's chatter)
+            serve_multiprocess(args, mesh, log)
+        return
+    engine, uv = build_server(args, lambda: load_engine(args, mesh, log), log)
+    run_until_stopped(uv, engine, log)
+    if engine.error is not None:
+        sys.exit(f"error: {engine.error}")
+
+
+def run_until_stopped(uv: uvicorn.Server, engine: AsyncEngine, log: Callable[[str], None]) -> None:
+    """Serve until the engine fails or Ctrl-C / SIGTERM (uvicorn drains open requests first, then re-raises
+    the interrupt: a stop asked for is a clean exit). The engine is stopped after, unless it failed."""
+    try:
+        uv.run()
+    except KeyboardInterrupt:
+        log("stopped")
+    finally:
+        if engine.state != "failed":
+            engine.stop()
+
+
+def build_server(args: argparse.Namespace, load: Callable[[], tuple[Any, Any]],
+                 log: Callable[[str], None]) -> tuple[AsyncEngine, uvicorn.Server]:
+    """The HTTP app over an engine thread that runs ``load`` first (not started yet), and its uvicorn server."""
     name = args.served_model_name or (args.model if not os.path.isdir(args.model) else pathlib.Path(args.model).name)
-    app, engine = build_app(lambda: load_engine(args, mesh, log), ServerConfig(
+    app, engine = build_app(load, ServerConfig(
         model_name=name, reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
     ), max_queue=args.max_queued_requests)
     uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
@@ -204,12 +246,44 @@ def main(argv: list[str] | None = None) -> None:
     engine.start()
     log(f"serving {name!r} at http://{args.host}:{args.port}/v1 (POST /v1/completions, /v1/chat/completions; "
         "GET /v1/models, /health, /metrics); /health says 'starting' until the model is loaded and compiled")
-    try:
-        uv.run()
-    finally:
-        engine.stop()
+    return engine, uv
+
+
+def serve_multiprocess(args: argparse.Namespace, mesh: Any, log: Callable[[str], None]) -> None:
+    """Process 0 serves HTTP over a ``LeaderCore``; every other process loads the same engine and follows
+    (``replica.py``). Whatever ends the run, a process that lost its peers leaves with ``os._exit``: JAX's own
+    shutdown would wait for the lost peers at a barrier."""
+    if not distributed.is_leader():
+        try:
+            core, _ = load_engine(args, mesh, log)
+        except StartupError as e:
+            log(f"error: {e}")
+            os._exit(1)
+        log("following process 0")
+        code = replica.follow(core, peer_timeout=args.peer_timeout, log=log)
+        if code:
+            os._exit(code)
+        core.close()
+        return
+    engine: AsyncEngine | None = None
+
+    def lost(what: str, seconds: float) -> None:  # (the watchdog's thread: the engine thread is stuck)
+        engine.die(replica.PeerFailure(f"no answer from the other processes for {seconds:.0f}s ({what})"))
+        threading.Timer(10.0, os._exit, (replica.FAILURE_EXIT_CODE,)).start()  # if the HTTP server lingers
+
+    def load() -> tuple[Any, Any]:
+        core, tokenizer = load_engine(args, mesh, log)
+        leader = replica.LeaderCore(core, replica.Watchdog(args.peer_timeout, lost))
+        engine.on_idle = leader.heartbeat
+        return leader, tokenizer
+
+    engine, uv = build_server(args, load, log)
+    engine.fatal = lambda error: isinstance(error, replica.PeerFailure)
+    run_until_stopped(uv, engine, log)  # (stopping the engine sends the followers ``stop``)
     if engine.error is not None:
-        sys.exit(f"error: {engine.error}")
+        log(f"error: {engine.error}")
+        sys.stderr.flush()
+        os._exit(replica.FAILURE_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import atexit
 import dataclasses
 import functools
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,6 +71,7 @@ from dspine_jax.drafters.params import Drafter
 from dspine_jax.models import target as tgt
 from dspine_jax.models.cache import ROW_LOOP_MAX_BATCH
 from dspine_jax.models.sampling import Sampling
+from dspine_jax.parallel import distributed
 from dspine_jax.parallel.mesh import DATA, use_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
 from dspine_jax.serve.prefix_cache import PrefixCache, PrefixStats
@@ -592,7 +594,7 @@ class EngineCore:
         except ProgramError as e:  # raised before the program ran: the slots' caches are intact
             e.slots = rows
             raise
-        first_host = np.asarray(jax.device_get(first))
+        first_host = np.asarray(distributed.to_host(first))  # (rows on other processes' devices: gathered)
         finished = {}
         for i, (s, job) in enumerate(zip(rows, jobs)):
             job.fresh = False
@@ -696,7 +698,8 @@ class EngineCore:
         static = dict(verify_len=plan.length, max_rounds=self.max_rounds, peek=plan.peek)
         program = self.programs.compiled(step, args, static)  # (one key per step: the state is flattened once)
         drafted = (plan.length, plan.peek) != (1, False)
-        if program is None and drafted and self.decoder.forced_length is None and self._warmer is not None:
+        if (program is None and drafted and self.decoder.forced_length is None and self._warmer is not None
+                and not distributed.multiprocess()):  # (several processes must run the same program: they wait)
             # compiled in the background, first in line; plain rounds meanwhile (exact all the same)
             self._warmer.want(self._planned_step(r, self.cache_capacity, plan.length, plan.peek))
             plan = dataclasses.replace(plan, length=1, peek=False, chosen=False, calibrating=False)
@@ -711,10 +714,9 @@ class EngineCore:
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step: its tokens per slot, the slots it finished (read back from the device)."""
-        transcript, choice, running = jax.device_get((pending.transcript, pending.choice, self.state.running))
+        transcript, choice, running = distributed.to_host((pending.transcript, pending.choice, self.state.running))
         seconds = time.perf_counter() - pending.start
         done = int(transcript.iterations)
-        self.decoder.observe(pending.rows, pending.plan, seconds, done, choice if pending.plan.chosen else None)
         tokens, finished, accepted = {}, {}, []
         for i in np.flatnonzero(pending.active):
             i = int(i)
@@ -726,6 +728,13 @@ class EngineCore:
             if not running[i]:
                 finished[i] = "stop" if transcript.stopped[i] else "length"
         self.running[: pending.rows] = running
+        if distributed.multiprocess():
+            # Every process's view alike: the step's tokens (each process's own copy where they are replicated
+            # over processes, else gathered) and its host mirror of the slots. Process 0's clock refines the costs.
+            digest = zlib.crc32(np.concatenate([transcript.tokens.ravel(), transcript.written.ravel(), running.ravel(),
+                                                self.lengths, self.occupied]).astype(np.int32).tobytes())  # fmt: skip
+            seconds = distributed.check_step(seconds, digest)
+        self.decoder.observe(pending.rows, pending.plan, seconds, done, choice if pending.plan.chosen else None)
         return StepResult(tokens, finished, accepted, pending.n, [pending.plan.length] * done)
 
     # -- programs: compiled on demand, or ahead (warmup) from abstract shapes

@@ -115,6 +115,10 @@ class AsyncEngine:
         self.error: str | None = None
         self.ready = threading.Event()
         self.on_failure: Callable[[str], None] | None = None
+        # several processes (replica.py): called every second while idle (the leader's heartbeat); an error that
+        # ``fatal`` accepts ends the engine (every request fails with a 503, ``on_failure``) instead of a reset
+        self.on_idle: Callable[[], None] | None = None
+        self.fatal: Callable[[BaseException], bool] = lambda error: False
         self.waiting: collections.deque[GenRequest] = collections.deque()
         self.active: dict[int, GenRequest] = {}
         self.cond = threading.Condition()
@@ -227,11 +231,20 @@ class AsyncEngine:
             with self.cond:
                 while not self.stopping and not self.waiting and not self.active and not self.undelivered:
                     self.cond.wait(timeout=1.0)
+                    if self.on_idle is not None:
+                        break
                 if self.stopping:
                     return
+                idle = not self.waiting and not self.active and not self.undelivered
             try:
-                self._iteration(core)
+                if idle:
+                    self.on_idle()
+                else:
+                    self._iteration(core)
             except Exception as e:  # never let the worker die: fail what is in flight, start clean
+                if self.fatal(e):
+                    self.die(e)
+                    return
                 traceback.print_exception(e)
                 for req in {id(r): r for r in [*self.active.values(), *(u[0] for u in self.undelivered)]}.values():
                     req.slot = None  # the reset below frees every slot
@@ -245,6 +258,22 @@ class AsyncEngine:
                     core.reset()
                 except Exception as e2:
                     traceback.print_exception(e2)
+
+    def die(self, error: BaseException) -> None:
+        """The engine cannot go on (a peer process failed): every request fails with a 503, new ones too."""
+        message = f"the engine stopped: {error}"
+        with self.cond:
+            self.error, self.state = message, "failed"
+            requests = [*self.active.values(), *(u[0] for u in self.undelivered), *self.waiting]
+            self.waiting.clear()
+        for req in {id(r): r for r in requests}.values():
+            if not req.finished:
+                req.finished = True
+                req.emit(("error", message, 503))
+                self.metrics.request(req.endpoint, "error")
+        self.active.clear()
+        if self.on_failure is not None:
+            self.on_failure(message)
 
     def _iteration(self, core: EngineCore) -> None:
         for req in list(self.active.values()):
@@ -261,16 +290,15 @@ class AsyncEngine:
             if req.cancelled:
                 self._finish(req, "cancelled", status="cancelled")
                 continue
+            req.slot = slot
+            self.active[slot] = req
             try:
                 core.admit(slot, req.prompt_ids, req.max_tokens, req.params)
             except Exception as e:
-                try:
-                    core.release(slot)
-                finally:
-                    self._fail(req, e)
+                if self.fatal(e):
+                    raise
+                self._fail(req, e)  # (releases the slot)
                 continue
-            req.slot = slot
-            self.active[slot] = req
             with self.metrics.lock:
                 self.metrics.prompt_tokens += len(req.prompt_ids)
         # One prefill call (at most ``prefill_chunk`` tokens, several prompts together), then one step: a long

@@ -166,7 +166,7 @@ class Server:
             if engine.state == "starting":
                 message = "the server is starting (loading and compiling the model); retry when GET /health is 200"
             else:
-                message = f"the engine failed to start: {engine.error}"
+                message = f"the engine failed: {engine.error}"  # (to start, or later: a peer process was lost)
             response = APIError(503, message, type_="server_error", code=f"server_{engine.state}").response()
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
             return response
@@ -190,8 +190,8 @@ class Server:
                 parts.append(ev[1])
             elif ev[0] == "done":
                 finish = ev[1]
-            else:
-                return APIError(500, ev[1], type_="server_error").response()
+            else:  # ("error", message[, status])
+                return APIError(ev[2] if len(ev) > 2 else 500, ev[1], type_="server_error").response()
         if finish is None:  # client went away
             return JSONResponse({}, status_code=499)
         return "".join(parts), finish
