@@ -36,8 +36,9 @@ from dspine_jax.models import tokenizer as tokenizer_io
 from dspine_jax.parallel import distributed
 from dspine_jax.parallel.mesh import make_run_mesh
 from dspine_jax.serve import replica
+from dspine_jax.serve.drafter_choice import DrafterEngines, parse_draft_flags
 from dspine_jax.serve.engine import DEFAULT_PREFILL_CHUNK, MIN_PROMPT_BUCKET, WARMUP_MODES, EngineCore
-from dspine_jax.serve.programs import DEFAULT_MAX_PROGRAMS
+from dspine_jax.serve.programs import DEFAULT_MAX_PROGRAMS, default_max_maps
 from dspine_jax.serve.scheduler import AsyncEngine, StartupError
 from dspine_jax.serve.server import ServerConfig, build_app
 
@@ -59,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=_HelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF-format model dir, alias or hub repo id ORG/NAME[@REVISION] (through the HF cache)")
-    p.add_argument("--draft", default=None,
-                   help="drafter checkpoint dir or hub repo id, or init:dspine / init:dflash[:BLOCK] (default: the shipped "
-                        "SmolLM2 DSpine drafter when serving the default model)")
+    p.add_argument("--draft", action="append", default=None, metavar="[NAME=]DIR",
+                   help="drafter checkpoint dir or hub repo id, init:KIND[:BLOCK] (dspine, dflash, dflash2, dspark, "
+                        "eagle3, mtp), or self:mtp (the target's own MTP head); repeat as NAME=DIR to hold several, "
+                        "chosen per request by its 'drafter' field (the first is the default; an engine each) "
+                        "(default: the shipped SmolLM2 DSpine drafter)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the --model value's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -128,45 +131,62 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
         tokenizer = tokenizer_io.load_tokenizer(args.model)
     except (ValueError, FileNotFoundError, OSError) as e:
         raise StartupError(f"could not load model {args.model!r}: {e}") from None
-    drafter = None
-    if not args.no_speculative:
-        draft = args.draft
-        if draft is None:
-            if SHIPPED_DRAFTER.is_dir():
-                draft = str(SHIPPED_DRAFTER)
-            else:
-                draft = "init:dspine"
-                log(f"WARNING: no shipped drafter at {SHIPPED_DRAFTER}; using an untrained init:dspine drafter "
-                    "(correct output, but almost no speedup). Pass --draft DIR or --no-speculative.")
-        log(f"loading drafter {draft}")
-        try:
-            drafter = load_draft(draft, target, dtype=args.dtype, quantize=args.quantize)
-        except (ValueError, FileNotFoundError, OSError) as e:
-            raise StartupError(f"could not load drafter {draft!r}: {e}") from None
+    drafters = load_drafters(args, target, log)
     context = args.context_length or min(target.config.max_position_embeddings, 2048)
-    sps = load_sps_table(args.sps_table) if args.sps_table and drafter is not None else None
-    try:
-        if mesh is not None:
-            log(f"mesh: data={args.dp} x model={args.tp} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
-        core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
-                          verify_len=args.block_size, sps_table=sps, mesh=mesh, verify=args.verify,
-                          max_prompt_bucket=args.warmup_prompt_buckets, max_rounds=args.rounds_per_step,
-                          prefill_chunk=args.prefill_chunk, max_programs=args.max_programs,
-                          prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
-    except ValueError as e:
-        raise StartupError(str(e)) from None
-    if drafter is None:
-        mode = "autoregressive"
-    elif core.candidates:
-        mode = f"speculative, verify auto over lengths {list(core.candidates)}"
-    else:
-        mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}"
-    log(f"engine: {args.max_running_requests} slots × {context} tokens, {mode}; compiling ({args.warmup} warmup)")
-    core.warmup(args.warmup, progress=log)
+    if mesh is not None:
+        log(f"mesh: data={args.dp} x model={args.tp} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
+    share = max(1, len(drafters))  # several drafters: an engine each, splitting the memory bounds
+    cores: dict[str, EngineCore] = {}
+    for name, drafter in (drafters or {None: None}).items():
+        sps = load_sps_table(args.sps_table) if args.sps_table and drafter is not None else None
+        maps = default_max_maps()
+        try:
+            core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
+                              verify_len=args.block_size, sps_table=sps, mesh=mesh, verify=args.verify,
+                              max_prompt_bucket=args.warmup_prompt_buckets, max_rounds=args.rounds_per_step,
+                              prefill_chunk=args.prefill_chunk, max_programs=-(-args.max_programs // share),
+                              max_maps=None if maps is None else maps // share,
+                              prefix_cache_bytes=int(args.prefix_cache_mb * 2**20) // share)  # fmt: skip
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        if drafter is None:
+            mode = "autoregressive"
+        elif core.candidates:
+            mode = f"speculative, verify auto over lengths {list(core.candidates)}"
+        else:
+            mode = f"speculative, verify length(s) {sorted(set(core.verify_lengths.values()))}"
+        which = f" [{name}]" if name is not None and len(drafters) > 1 else ""
+        log(f"engine{which}: {args.max_running_requests} slots × {context} tokens, {mode}; compiling ({args.warmup} warmup)")
+        core.warmup(args.warmup, progress=log)
+        cores[name] = core
+    core = DrafterEngines(cores) if len(cores) > 1 else next(iter(cores.values()))
     progress = core.warmup_progress()
     later = f"; {progress['pending']} more compile in the background" if progress["pending"] else ""
-    log(f"ready after {time.perf_counter() - t0:.1f}s of loading and compiling ({len(core.programs)} programs{later})")
+    log(f"ready after {time.perf_counter() - t0:.1f}s of loading and compiling ({core.program_report()['programs']} "
+        f"programs{later})")
     return core, tokenizer
+
+
+def load_drafters(args: argparse.Namespace, target: Any, log: Callable[[str], None]) -> dict[str, Any]:
+    """``--draft`` → ``{name: drafter}`` (empty with ``--no-speculative``; the shipped drafter by default)."""
+    if args.no_speculative:
+        return {}
+    specs = parse_draft_flags(args.draft)
+    if specs is None:
+        if SHIPPED_DRAFTER.is_dir():
+            specs = {"default": str(SHIPPED_DRAFTER)}
+        else:
+            specs = {"default": "init:dspine"}
+            log(f"WARNING: no shipped drafter at {SHIPPED_DRAFTER}; using an untrained init:dspine drafter "
+                "(correct output, but almost no speedup). Pass --draft DIR or --no-speculative.")
+    drafters = {}
+    for name, spec in specs.items():
+        log(f"loading drafter {spec}" + (f" as {name!r}" if len(specs) > 1 else ""))
+        try:
+            drafters[name] = load_draft(spec, target, dtype=args.dtype, quantize=args.quantize)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise StartupError(f"could not load drafter {spec!r}: {e}") from None
+    return drafters
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --max-programs must be >= 1")
     if args.prefill_chunk < MIN_PROMPT_BUCKET:
         sys.exit(f"error: --prefill-chunk must be >= {MIN_PROMPT_BUCKET}")
+    try:
+        parse_draft_flags(args.draft)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     try:
         verify = parse_verify(args.verify)
         if verify != "auto":

@@ -71,6 +71,7 @@ class RequestOptions:
     stops: list[str]
     stream: bool
     include_usage: bool
+    drafter: str | None = None  # a server holding several drafters: which one (``--draft NAME=DIR``)
 
 
 def parse_options(body: dict, chat: bool) -> RequestOptions:
@@ -109,10 +110,13 @@ def parse_options(body: dict, chat: bool) -> RequestOptions:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    drafter = body.get("drafter")
+    if drafter is not None and not isinstance(drafter, str):
+        raise APIError(400, "'drafter' must be a string (a drafter's name)", param="drafter")
     return RequestOptions(
         max_tokens=max_tokens, max_tokens_param=max_param,
         params=SlotParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed), stops=stops, stream=stream,
-        include_usage=bool(options.get("include_usage")),
+        include_usage=bool(options.get("include_usage")), drafter=drafter,
     )
 
 

@@ -92,6 +92,7 @@ class GenRequest:
     num_generated: int = 0
     stream: TextStream | None = None
     finished: bool = False
+    drafter: str | None = None  # the drafter a server holding several decodes it with (``drafter_choice.py``)
 
     def emit(self, event: tuple) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -282,8 +283,11 @@ class AsyncEngine:
         # Admit waiting requests into free slots (their prompts are prefilled by the calls below).
         while True:
             with self.cond:
-                slot = core.free_slot()
-                if slot is None or not self.waiting:
+                if not self.waiting:
+                    break
+                drafter = self.waiting[0].drafter  # (first come, first served: it waits for its drafter's slot)
+                slot = core.free_slot(drafter) if drafter is not None else core.free_slot()
+                if slot is None:
                     break
                 req = self.waiting.popleft()
                 self.metrics.queued = len(self.waiting)

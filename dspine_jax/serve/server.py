@@ -107,7 +107,7 @@ class Server:
     def _submit(self, s: RequestOptions, prompt_ids: list[int], endpoint: str) -> GenRequest:
         max_tokens = self._check_length(prompt_ids, s, "messages" if endpoint == "chat" else "prompt")
         req = GenRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, params=s.params, stops=s.stops,
-                         loop=asyncio.get_running_loop(), endpoint=endpoint)
+                         loop=asyncio.get_running_loop(), endpoint=endpoint, drafter=self._drafter(s.drafter))
         try:
             self.engine.submit(req)
         except QueueFull:
@@ -115,6 +115,19 @@ class Server:
             raise APIError(429, "the server is at capacity (request queue full); retry later",
                            type_="rate_limit_error", code="queue_full") from None
         return req
+
+    def _drafter(self, asked: str | None) -> str | None:
+        """The request's drafter: its ``drafter`` field (checked), else the server's first; None when the server
+        holds one drafter (or none)."""
+        names = getattr(self.engine.core, "names", None)  # (``DrafterEngines``)
+        if names is None:
+            if asked is not None:
+                raise APIError(400, "this server holds one drafter: 'drafter' chooses between several (start it "
+                               "with --draft NAME=DIR for each)", param="drafter")  # fmt: skip
+            return None
+        if asked is not None and asked not in names:
+            raise APIError(400, f"unknown drafter {asked!r}; this server holds {', '.join(names)}", param="drafter")
+        return asked or names[0]
 
     async def _events(self, req: GenRequest, request: Request):
         """Yield engine events; cancel the request if the client goes away."""

@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -58,7 +59,7 @@ def start(args: argparse.Namespace, processes: int, log_dir: Path) -> tuple[list
 
 
 def complete(base: str, prompt: str, max_tokens: int) -> tuple[str, int]:
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "temperature": 0}).encode()  # fmt: skip
     request = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=900) as r:
@@ -132,8 +133,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    log_dir = args.out.parent / "logs"
-    log_dir.mkdir(exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="dspine_multihost_serve_"))  # the servers' stderr (gloo's chatter)
+    print(f"server logs in {log_dir}", flush=True)
     record: dict = {"model": args.model, "draft": args.draft, "max_tokens": args.max_tokens, "runs": {}}
     texts: dict[str, list[str]] = {}
     servers = {f"{n}p": start(args, n, log_dir) for n in (1, 2)}  # both up at once, loaded in turn (interleaved)
