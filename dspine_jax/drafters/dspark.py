@@ -180,13 +180,41 @@ def markov_columns(params: DSparkParams, config: DSparkConfig) -> Array:
     return w2
 
 
-def confidence_of(drafter: Drafter, hidden: Array, prev_emb: Array | None) -> Array:
-    """``σ([h, e] @ wc + bc)`` → ``[B]`` float32 (``hidden [B, H]``, ``prev_emb [B, R]`` or None)."""
+def confidence_logit(drafter: Drafter, hidden: Array, prev_emb: Array | None) -> Array:
+    """``[h, e] @ wc + bc`` → ``[...]`` float32 (``hidden [..., H]``, ``prev_emb [..., R]`` or None): the
+    confidence head before its sigmoid (training's binary cross-entropy reads it)."""
     head, config = drafter.params.confidence, drafter.config
     features = hidden.astype(jnp.float32)
     if config.confidence_head_with_markov:
         features = jnp.concatenate([features, prev_emb.astype(jnp.float32)], axis=-1)
-    return jax.nn.sigmoid(features @ head.weight.astype(jnp.float32) + head.bias.astype(jnp.float32))
+    return features @ head.weight.astype(jnp.float32) + head.bias.astype(jnp.float32)
+
+
+def confidence_of(drafter: Drafter, hidden: Array, prev_emb: Array | None) -> Array:
+    """``σ([h, e] @ wc + bc)`` → ``[B]`` float32 (``hidden [B, H]``, ``prev_emb [B, R]`` or None)."""
+    return jax.nn.sigmoid(confidence_logit(drafter, hidden, prev_emb))
+
+
+def teacher_forced_bias(drafter: Drafter, hidden: Array, prev: Array) -> tuple[Array, Array]:
+    """The Markov bias of every block position given **known** previous tokens (training's teacher forcing,
+    speculators' ``MarkovHead.block_bias``): ``hidden [..., T, H]`` (final-normed), ``prev [..., T]`` target ids
+    → bias ``[..., T, V']`` float32 and the previous tokens' embeddings ``w1[prev] [..., T, R]``. The same
+    ``markov_step`` as the walk, which feeds it the tokens it drew instead; ``rnn`` scans the positions."""
+    params, config = drafter.params, drafter.config
+    head = params.markov
+    prev_emb = head.w1[prev]  # [..., T, R]
+    if config.markov_head_type == "rnn":
+
+        def step(state: Array, xs: tuple[Array, Array]) -> tuple[Array, Array]:
+            mixed, state = markov_step(head, "rnn", xs[0], xs[1], state)
+            return state, mixed
+
+        state = jnp.zeros((*prev_emb.shape[:-2], config.markov_rank), prev_emb.dtype)
+        _, mixed = jax.lax.scan(step, state, (jnp.moveaxis(prev_emb, -2, 0), jnp.moveaxis(hidden, -2, 0)))
+        mixed = jnp.moveaxis(mixed, 0, -2)
+    else:
+        mixed, _ = markov_step(head, config.markov_head_type, prev_emb, hidden, prev_emb)  # (no state)
+    return jnp.matmul(mixed, markov_columns(params, config), preferred_element_type=jnp.float32), prev_emb
 
 
 # ----------------------------------------------------------------------------------------------

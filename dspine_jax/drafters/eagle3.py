@@ -27,6 +27,11 @@ the target just ran (``tokens``); the last committed position's features wait in
 entry (the anchor's, drafted in ``propose`` and dropped with the other draft steps). Nothing drafted stays
 visible: ``commit`` writes only committed positions, recomputed from the target's features.
 
+The state's life cycle (``SequentialHead``), the entries' ingest (``ingest``) and the step loop
+(``draft_steps``) are shared with the MTP head (``mtp.py``): they run a head's layers through its hooks
+(``rope``, ``embed_with``, ``layer_input``, ``qkv``, ``finish_layer``, ``logits_with``,
+``entry_features``); its training forward (``sequential_ttt_logits``) too.
+
 Letters as in layers.py: B batch, T tokens, S positions, H width, N/K heads, D head dim, F MLP width,
 V target vocabulary, Vd draft vocabulary, P draft steps.
 """
@@ -48,7 +53,10 @@ from safetensors.numpy import save_file
 
 from dspine_jax.drafters.drafter import DraftOutput, choose
 from dspine_jax.drafters.params import pack_drafter, quantize_drafter
-from dspine_jax.drafters.speculators_format import SPECULATORS_VERSION  # the format we write (and test against)
+from dspine_jax.drafters.speculators_format import (  # the format we write (and test against)
+    SPECULATORS_VERSION,
+    speculators_model_type,
+)
 from dspine_jax.models import hub, quant
 from dspine_jax.models.cache import sharded_zeros
 from dspine_jax.models.layers import MASK_VALUE, apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
@@ -117,6 +125,11 @@ class Eagle3Config:
         if self.num_heads % self.num_kv_heads or self.speculative_tokens < 1:
             raise CheckpointError("eagle3 num_attention_heads must be a multiple of num_key_value_heads, and "
                                   "speculative_tokens ≥ 1")  # fmt: skip
+
+    @property
+    def kind(self) -> str:
+        """``"eagle3"``: named like a block drafter config's kind (training dispatches on it)."""
+        return KIND
 
     @property
     def num_taps(self) -> int:
@@ -246,13 +259,7 @@ def config_to_dict(config: Eagle3Config, verifier: str | None = None, architectu
 
 def is_eagle3_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a directory holding a speculators eagle3 ``config.json``."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text()).get("speculators_model_type") == KIND
-    except (ValueError, OSError):
-        return False
+    return speculators_model_type(path) == KIND
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,7 +411,8 @@ class Eagle3State:
     """Committed positions of each row, position-indexed (the entry of position p at index p).
 
     Entry p (1 ≤ p < lengths) pairs token x_p with the features of position p - 1; ``features[b, p]`` holds the
-    fused target features of every committed position, the last one waiting for the next entry."""
+    fused target features of every committed position (an MTP head: the target's final hidden), the last one
+    waiting for the next entry."""
 
     k: tuple[Array, ...]  # per layer [B, K, S, D] after k_norm and RoPE
     v: tuple[Array, ...]  # per layer [B, K, S, D]
@@ -420,19 +428,26 @@ class Eagle3State:
 # The proposer
 
 
-@struct.dataclass
-class Eagle3Proposer:
-    """An EAGLE-3 head as a proposer (``decoding/proposers.py``): sequential drafting, ``num`` steps per round."""
+class SequentialHead:
+    """The state life cycle of a head that drafts one token per step from its own K/V of the committed entries
+    (``Eagle3Proposer``, ``mtp.MTPProposer``); state ``Eagle3State``. A head is a ``flax.struct`` dataclass with
+    ``params``, a ``config`` (``hidden_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+    ``layer_windows``, ``vocab_size``), ``dtype`` and the hooks ``ingest`` / ``draft_steps`` run:
 
-    params: Eagle3Params
-    config: Eagle3Config = struct.field(pytree_node=False)
-    max_block: int = struct.field(pytree_node=False, default=0)  # longest verify block; 0: trained steps + 1
+    * ``entry_features(hidden [B, T, H], tapped [n, B, T, H])`` → the features ``[B, T, H]`` an entry reads;
+    * ``rope(positions [B, T])`` → cos, sin of the entries at those (token) positions;
+    * ``embed_with(table [V, H], tokens [B, T])`` → ``[B, T, H]`` given the target's embedding (``embed(target,
+      tokens)`` passes the target's; training passes its frozen copy);
+    * ``layer_input(layer, x, embeds)`` → the layer's normed attention input and its residual;
+    * ``qkv(layer, normed, cos, sin)`` → q ``[B, T, N, D]``, k / v ``[B, T, K, D]`` and what ``finish_layer``
+      needs besides the attention (None, or a gate);
+    * ``finish_layer(layer, attn [B, T, N·D], residual, extra)`` → the layer's output;
+    * ``logits_with(lm_head [H, V], out [B, H])`` → float32 logits ``[B, Vd]`` and the hidden the next step
+      reads, given the target's LM head (a head with its own ignores it; ``logits(target, out)`` passes the
+      target's).
+    """
 
-    # --- the protocol's static answers ---
-
-    @property
-    def taps(self) -> tuple[int, ...]:
-        return self.config.taps
+    # --- the protocol's static answers (a head has ``max_block``: its longest verify block, 0 = trained steps + 1) ---
 
     @property
     def block_limit(self) -> int:
@@ -440,24 +455,18 @@ class Eagle3Proposer:
 
     @property
     def tag(self) -> str:
-        return f"Eagle3Proposer|{self.config!r}|{self.block_limit}|{self.dtype}"
+        return f"{type(self).__name__}|{self.config!r}|{self.block_limit}|{self.dtype}"
 
     @property
     def dtype(self) -> jnp.dtype:
         return self.params.norm.dtype
 
-    def check_compatible(self, target: Target) -> None:
-        tc, c = target.config, self.config
-        if c.hidden_size != tc.hidden_size:
-            raise CheckpointError(f"eagle3 hidden_size {c.hidden_size} != the target's {tc.hidden_size}")
-        if c.vocab_size != tc.vocab_size:
-            raise CheckpointError(f"eagle3 vocab_size {c.vocab_size} != the target's {tc.vocab_size}")
-        bad = [i for i in c.layer_ids if not 1 <= i <= tc.num_layers]
-        if bad:
-            raise CheckpointError(f"eagle3 fuses target layers {list(c.layer_ids)}: {bad} are not in "
-                                  f"[1, {tc.num_layers}] for this {tc.num_layers}-layer target")  # fmt: skip
 
-    # --- state life cycle ---
+    def embed(self, target: Target, tokens: Array) -> Array:
+        return self.embed_with(target.params.embed, tokens)
+
+    def logits(self, target: Target, out: Array) -> tuple[Array, Array]:
+        return self.logits_with(target.params.lm_head, out)
 
     def init(self, target: Target, batch: int, capacity: int) -> Eagle3State:
         c = self.config
@@ -484,12 +493,13 @@ class Eagle3Proposer:
         self, target: Target, state: Eagle3State, hidden: Array, tapped: Array, num_new: Array,
         tokens: Array | None = None,
     ) -> Eagle3State:
-        """The first ``num_new [B]`` of ``tokens [B, T]`` (anchor first) were committed; ``tapped [n, B, T, H]``
-        are their target features. Writes their features and the entries of positions ``lengths …``."""
+        """The first ``num_new [B]`` of ``tokens [B, T]`` (anchor first) were committed; ``hidden [B, T, H]``,
+        ``tapped [n, B, T, H]`` the verify pass's. Writes their features (``entry_features``) and the entries of
+        positions ``lengths …``."""
         if tokens is None:
-            raise ValueError("an EAGLE-3 proposer needs the committed tokens (an entry pairs a token with the "
-                             "previous position's features): pass tokens= to prefill / commit")  # fmt: skip
-        features = fuse_features(self, tapped)  # [B, T, H]
+            raise ValueError("a sequential head (EAGLE-3, MTP) needs the committed tokens (an entry pairs a token "
+                             "with the previous position's features): pass tokens= to prefill / commit")  # fmt: skip
+        features = self.entry_features(hidden, tapped)  # [B, T, H]
         return ingest(self, target, state, tokens.astype(jnp.int32), features, num_new.astype(jnp.int32))
 
     def propose(
@@ -517,6 +527,55 @@ class Eagle3Proposer:
         return state.replace(lengths=jnp.minimum(lengths.astype(jnp.int32), state.lengths))
 
 
+@struct.dataclass
+class Eagle3Proposer(SequentialHead):
+    """An EAGLE-3 head as a proposer (``decoding/proposers.py``): sequential drafting, ``num`` steps per round."""
+
+    params: Eagle3Params
+    config: Eagle3Config = struct.field(pytree_node=False)
+    max_block: int = struct.field(pytree_node=False, default=0)  # longest verify block; 0: trained steps + 1
+
+    # --- the protocol's static answers ---
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.config.taps
+
+    def check_compatible(self, target: Target) -> None:
+        tc, c = target.config, self.config
+        if c.hidden_size != tc.hidden_size:
+            raise CheckpointError(f"eagle3 hidden_size {c.hidden_size} != the target's {tc.hidden_size}")
+        if c.vocab_size != tc.vocab_size:
+            raise CheckpointError(f"eagle3 vocab_size {c.vocab_size} != the target's {tc.vocab_size}")
+        bad = [i for i in c.layer_ids if not 1 <= i <= tc.num_layers]
+        if bad:
+            raise CheckpointError(f"eagle3 fuses target layers {list(c.layer_ids)}: {bad} are not in "
+                                  f"[1, {tc.num_layers}] for this {tc.num_layers}-layer target")  # fmt: skip
+
+    # --- the layer hooks ``ingest`` / ``draft_steps`` run (``SequentialHead``) ---
+
+    def entry_features(self, hidden: Array, tapped: Array) -> Array:
+        return fuse_features(self, tapped)
+
+    def rope(self, positions: Array) -> tuple[Array, Array]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+
+    def embed_with(self, table: Array, tokens: Array) -> Array:
+        return _embed_with(self, table, tokens)
+
+    def layer_input(self, layer: int, x: Array, embeds: Array) -> tuple[Array, Array]:
+        return _layer_input(self, layer, x, embeds)
+
+    def qkv(self, layer: int, normed: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array, None]:
+        return (*_qkv(self, layer, normed, cos, sin), None)
+
+    def finish_layer(self, layer: int, attn: Array, residual: Array, extra: None) -> Array:
+        return _finish_layer(self, layer, attn, residual)
+
+    def logits_with(self, lm_head: Array | None, out: Array) -> tuple[Array, Array]:
+        return draft_logits(self, None, out)  # its own (draft-vocabulary) head
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward pieces
 
@@ -537,8 +596,9 @@ def fuse_features(proposer: Eagle3Proposer, tapped: Array) -> Array:
     return concat @ p.fc
 
 
-def _embed(proposer: Eagle3Proposer, target: Target, tokens: Array) -> Array:
-    table = proposer.params.embed if proposer.params.embed is not None else target.params.embed
+def _embed_with(proposer: Eagle3Proposer, embed: Array, tokens: Array) -> Array:
+    """``tokens`` through the head's own embedding, else ``embed`` (the target's ``[V, H]``)."""
+    table = proposer.params.embed if proposer.params.embed is not None else embed
     return table[tokens].astype(proposer.dtype)
 
 
@@ -577,7 +637,7 @@ def _write(buffer: Array, rows: Array, slots: Array, values: Array) -> Array:
 
 
 def ingest(
-    proposer: Eagle3Proposer, target: Target, state: Eagle3State, tokens: Array, features: Array, num_new: Array
+    proposer: SequentialHead, target: Target, state: Eagle3State, tokens: Array, features: Array, num_new: Array
 ) -> Eagle3State:
     """Append ``num_new [B]`` committed positions: ``tokens [B, T]`` and their fused features ``[B, T, H]``.
 
@@ -595,13 +655,13 @@ def ingest(
     rows = jnp.arange(b)[:, None]
     feature_slots = jnp.where(kept, positions, s)
     entry_slots = jnp.where(kept & (positions >= 1), positions, s)  # position 0 has no entry
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, proposer.dtype)
-    x, embeds = previous, _embed(proposer, target, tokens)
+    cos, sin = proposer.rope(positions)
+    x, embeds = previous, proposer.embed(target, tokens)
     ks, vs = list(state.k), list(state.v)
     slot_pos = jnp.arange(s)[None, None, :]  # [1, 1, S]
     for layer in range(c.num_layers):
-        normed, residual = _layer_input(proposer, layer, x, embeds)
-        q, k, v = _qkv(proposer, layer, normed, cos, sin)
+        normed, residual = proposer.layer_input(layer, x, embeds)
+        q, k, v, extra = proposer.qkv(layer, normed, cos, sin)
         ks[layer] = _write(ks[layer], rows, entry_slots, k)
         vs[layer] = _write(vs[layer], rows, entry_slots, v)
         if layer == c.num_layers - 1:
@@ -610,7 +670,7 @@ def ingest(
         if c.layer_windows[layer]:
             visible &= slot_pos > positions[:, :, None] - c.layer_windows[layer]
         attn = cached_attention(q, ks[layer], vs[layer], visible).reshape(b, t, c.num_heads * c.head_dim)
-        x = _finish_layer(proposer, layer, attn, residual)
+        x = proposer.finish_layer(layer, attn, residual, extra)
     return state.replace(
         k=tuple(ks), v=tuple(vs), lengths=n + num_new,
         features=state.features.at[rows, feature_slots].set(features.astype(state.features.dtype), mode="drop"),
@@ -646,14 +706,14 @@ def draft_logits(proposer: Eagle3Proposer, target: Target, hidden: Array) -> tup
     return quant.matmul_f32(normed, proposer.params.lm_head), (normed if c.norm_output else hidden)
 
 
-def vocab_ids(proposer: Eagle3Proposer) -> Array:
+def vocab_ids(proposer: SequentialHead) -> Array:
     """Draft-vocabulary index → target token id ``[Vd]``."""
-    ids = proposer.params.draft_ids
+    ids = getattr(proposer.params, "draft_ids", None)  # (an MTP head has none)
     return jnp.arange(proposer.config.vocab_size, dtype=jnp.int32) if ids is None else ids
 
 
 def draft_steps(
-    proposer: Eagle3Proposer, target: Target, state: Eagle3State, anchor: Array, keys: Array, sampling: Sampling,
+    proposer: SequentialHead, target: Target, state: Eagle3State, anchor: Array, keys: Array, sampling: Sampling,
     num: int,
 ) -> tuple[DraftOutput, Array]:
     """``num`` sequential draft steps (a ``lax.scan``, static shapes) → ``DraftOutput`` (tokens ``[B, P]``,
@@ -678,20 +738,20 @@ def draft_steps(
         token, hidden, step_k, step_v = carry
         index, key = xs
         positions = (n + index)[:, None]  # [B, 1]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, proposer.dtype)
-        x, embeds = hidden[:, None], _embed(proposer, target, token[:, None])
+        cos, sin = proposer.rope(positions)
+        x, embeds = hidden[:, None], proposer.embed(target, token[:, None])
         new_k, new_v = list(step_k), list(step_v)
         step_visible = jnp.broadcast_to(jnp.arange(num)[None, :] <= index, (b, num))
         for layer in range(c.num_layers):
-            normed, residual = _layer_input(proposer, layer, x, embeds)
-            q, k, v = _qkv(proposer, layer, normed, cos, sin)
+            normed, residual = proposer.layer_input(layer, x, embeds)
+            q, k, v, extra = proposer.qkv(layer, normed, cos, sin)
             for buffers, value in ((new_k, k), (new_v, v)):  # this step's K/V into slot `index` [B, K, P, D]
                 value = value.transpose(0, 2, 1, 3).astype(proposer.dtype)
                 buffers[layer] = jax.lax.dynamic_update_slice_in_dim(buffers[layer], value, index, axis=2)
             attn = _attend_with_steps(q[:, 0], state.k[layer], state.v[layer], ctx_visible[layer], new_k[layer],
                                       new_v[layer], step_visible)  # fmt: skip
-            x = _finish_layer(proposer, layer, attn.reshape(b, 1, -1), residual)
-        logits, next_hidden = draft_logits(proposer, target, x[:, 0])
+            x = proposer.finish_layer(layer, attn.reshape(b, 1, -1), residual, extra)
+        logits, next_hidden = proposer.logits(target, x[:, 0])
         scores = process_rows(logits, sampling)
         index_drawn, q_step = choose(scores, key, unit)
         drawn = jnp.take(ids, index_drawn)
@@ -706,17 +766,97 @@ def draft_steps(
 
 
 # ----------------------------------------------------------------------------------------------
+# Training: test-time training (TTT) over whole sequences
+
+
+def ttt_logits(
+    proposer: Eagle3Proposer, embed: Array, tapped: Array, tokens: Array, entries: Array, steps: int
+) -> Array:
+    """EAGLE-3's ``sequential_ttt_logits`` from the target features of every position ``tapped [n, B, S, H]``
+    (fused by the head's ``fc``) → logits ``[B, A, steps, Vd]`` float32."""
+    return sequential_ttt_logits(proposer, embed, None, fuse_features(proposer, tapped), tokens, entries, steps)
+
+
+def sequential_ttt_logits(
+    proposer: SequentialHead, embed: Array, lm_head: Array | None, features: Array, tokens: Array, entries: Array,
+    steps: int,
+) -> Array:
+    """The teacher-forced test-time-training forward of a sequential head (speculators'
+    ``Eagle3DraftModel.forward``; an MTP head's chain of steps as it drafts) for the chains that start at
+    ``entries [B, A]`` (positions ≥ 1) of ``tokens [B, S]``, with the head's entry features of every position
+    ``features [B, S, H]`` (``entry_features``), the target's embedding ``embed [V, H]`` and LM head ``lm_head
+    [H, V]`` (None for a head with its own) → logits ``[B, A, steps, Vd]`` float32.
+
+    Step 0 runs every entry at once, as ``ingest`` does (their K/V are what every chain attends to). The chain
+    from entry p then runs like ``draft_steps`` from an anchor at p: step s at position p + s reads the **true**
+    token x_{p+s} (teacher forcing; clamped past the sequence, whose steps are never supervised) and the
+    previous step's output hidden (the features of p - 1 for s = 0), attends to the entries 1…p (a window counts
+    from p) and to its own steps, and predicts x_{p+s+1}. Fed the drafted tokens instead of the true ones it
+    computes ``draft_steps``' logits: training trains the head that drafts."""
+    c = proposer.config
+    b, s = tokens.shape
+    a = entries.shape[1]
+    features = features.astype(proposer.dtype)  # [B, S, H]
+    previous = jnp.concatenate([jnp.zeros_like(features[:, :1]), features[:, :-1]], axis=1)  # entry p: f_{p-1}
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    cos, sin = proposer.rope(positions)
+    keys = jnp.arange(s)
+    x, embeds = previous, proposer.embed_with(embed, tokens)
+    ctx_k, ctx_v, ctx_visible = [], [], []  # per layer: [B, K, S, D] ×2, chains' visible entries [B, A, S]
+    for layer in range(c.num_layers):  # step 0, every entry: causal over the entries 1…p
+        normed, residual = proposer.layer_input(layer, x, embeds)
+        q, k, v, extra = proposer.qkv(layer, normed, cos, sin)
+        ctx_k.append(k.transpose(0, 2, 1, 3))
+        ctx_v.append(v.transpose(0, 2, 1, 3))
+        window = c.layer_windows[layer]
+        visible = (keys[None, :] >= 1) & (keys[None, :] <= keys[:, None])  # [S, S]
+        chains = (keys >= 1) & (keys <= entries[..., None])  # [B, A, S]
+        if window:
+            visible &= keys[None, :] > keys[:, None] - window
+            chains &= keys > entries[..., None] - window
+        ctx_visible.append(chains)
+        attn = cached_attention(q, ctx_k[-1], ctx_v[-1], jnp.broadcast_to(visible, (b, s, s)))
+        x = proposer.finish_layer(layer, attn.reshape(b, s, c.num_heads * c.head_dim), residual, extra)
+    logits, hidden = proposer.logits_with(lm_head, jnp.take_along_axis(x, entries[..., None], axis=1))
+    out = [logits]  # [B, A, Vd] per step
+    attend = jax.vmap(_attend_with_steps, in_axes=(1, None, None, 1, 1, 1, None), out_axes=1)  # over the chains
+    step_k: list[list[Array]] = [[] for _ in range(c.num_layers)]  # per layer, per step ≥ 1: [B, A, K, D]
+    step_v: list[list[Array]] = [[] for _ in range(c.num_layers)]
+    for step in range(1, steps):
+        where = entries + step  # [B, A]
+        cos, sin = proposer.rope(where)
+        token = jnp.take_along_axis(tokens, jnp.minimum(where, s - 1), axis=1)
+        x, embeds = hidden, proposer.embed_with(embed, token)
+        for layer in range(c.num_layers):
+            normed, residual = proposer.layer_input(layer, x, embeds)
+            q, k, v, extra = proposer.qkv(layer, normed, cos, sin)  # [B, A, N | K, D]
+            step_k[layer].append(k.astype(proposer.dtype))
+            step_v[layer].append(v.astype(proposer.dtype))
+            own_k, own_v = (jnp.stack(kv[layer], axis=3) for kv in (step_k, step_v))  # [B, A, K, s, D]
+            attn = attend(q, ctx_k[layer], ctx_v[layer], ctx_visible[layer], own_k, own_v, jnp.ones((b, step), bool))
+            x = proposer.finish_layer(layer, attn.reshape(b, a, -1), residual, extra)
+        logits, hidden = proposer.logits_with(lm_head, x)
+        out.append(logits)
+    return jnp.stack(out, axis=2)
+
+
+# ----------------------------------------------------------------------------------------------
 # Load / save / init / --draft
+
+
+def read_head_config(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """A sequential head's checkpoint directory (a directory or hub repo id) and its ``config.json``."""
+    model_dir = hub.resolve_drafter_dir(path)
+    try:
+        return model_dir, json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: cannot read config.json ({e})") from e
 
 
 def load_eagle3(path: str | os.PathLike, target: Target, dtype: str | jnp.dtype | None = None) -> Eagle3Proposer:
     """A speculators eagle3 checkpoint (a directory or a hub repo id ``ORG/NAME[@REVISION]``) for ``target``.
     ``dtype`` defaults to the target's."""
-    model_dir = hub.resolve_drafter_dir(path)
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{model_dir}: cannot read config.json ({e})") from e
+    model_dir, cfg = read_head_config(path)
     config = config_from_dict(cfg, target.config.num_layers)
     dtype = target.dtype if dtype is None else resolve_dtype(dtype)
     shell = Eagle3Proposer(params=None, config=config)  # (check_compatible reads the config only)
@@ -749,12 +889,14 @@ def init_eagle3(
     initializer_range: float = 0.02,
     seed: int = 0,
     dtype: str | jnp.dtype | None = None,
+    intermediate_size: int | None = None,
     **flags: bool,
 ) -> Eagle3Proposer:
     """A fresh EAGLE-3 head for ``target``, initialised as speculators does: Linear weights ~ N(0,
     initializer_range), norms one, the target's embedding (shared) and the target head's rows for the draft
     vocabulary ``draft_ids`` (None: every token) as its head. ``layer_ids``: speculators' ids (default
-    ``init_layer_ids``). ``flags``: ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``."""
+    ``init_layer_ids``). ``intermediate_size``: the MLP width (default the target's, as speculators' layer
+    config copies it). ``flags``: ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``."""
     tc = target.config
     h = tc.hidden_size
     ids = None if draft_ids is None else np.unique(np.asarray(draft_ids, np.int64))
@@ -762,8 +904,8 @@ def init_eagle3(
         ids = None
     config = Eagle3Config(
         layer_type=layer_type, hidden_size=h, num_layers=num_layers, num_heads=tc.num_heads,
-        num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, intermediate_size=tc.intermediate_size,
-        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, vocab_size=tc.vocab_size,
+        num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
+        intermediate_size=intermediate_size or tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, vocab_size=tc.vocab_size,
         draft_vocab_size=tc.vocab_size if ids is None else len(ids),
         layer_ids=tuple(layer_ids) if layer_ids is not None else init_layer_ids(tc.num_layers),
         layer_windows=(0,) * num_layers, speculative_tokens=max(block_size - 1, 1),

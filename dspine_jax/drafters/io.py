@@ -1,6 +1,6 @@
 """Drafter checkpoints: load / save the z-lab DFlash and SpecForge DSpine layouts, fresh init, and the
-command lines' ``--draft`` value (a checkpoint directory, a hub repo id ``ORG/NAME[@REVISION]`` or
-``init:KIND[:BLOCK]``).
+command lines' ``--draft`` value (a checkpoint directory, a hub repo id ``ORG/NAME[@REVISION]``,
+``init:KIND[:BLOCK]``, or ``self:mtp[:BLOCK]``: the target checkpoint's own MTP head, ``mtp.py``).
 
 The backbone tensors are read and written here; each kind adds its own through its hooks
 (``load_params`` / ``params_tensors`` / ``init_params`` on ``drafter.DFlash`` and subclasses), so a new
@@ -31,7 +31,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 # dflash2, dspark, dspine: imported to register their kinds.
-from dspine_jax.drafters import dflash2, dspark, dspine, eagle3, speculators_format  # noqa: F401
+from dspine_jax.drafters import dflash2, dspark, dspine, eagle3, mtp, speculators_format  # noqa: F401
 from dspine_jax.drafters.config import (
     DrafterConfig,
     DrafterConfigError,
@@ -479,6 +479,8 @@ def draft_block_size(spec: str | os.PathLike) -> int:
     text = os.fspath(spec)
     if eagle3.is_eagle3_spec(text):  # a sequential head: its block is the steps it drafts + the anchor
         return eagle3.eagle3_block_size(text)
+    if mtp.is_mtp_spec(text):
+        return mtp.mtp_block_size(text)
     init = _parse_init_draft(text)
     if init is not None:
         return init[1]
@@ -490,15 +492,19 @@ def draft_block_size(spec: str | os.PathLike) -> int:
 
 def load_draft(
     spec: str | os.PathLike, target: Target, dtype: str | None = None, quantize: str = "none"
-) -> Drafter | eagle3.Eagle3Proposer:
+) -> Drafter | eagle3.Eagle3Proposer | mtp.MTPProposer:
     """A ``--draft`` CLI value → Drafter: a checkpoint directory or hub repo id (``load_drafter``), or ``init:dspine`` /
     ``init:dflash`` (optionally ``init:dspine:BLOCK``) for a fresh, untrained drafter (``init_drafter``,
     seed 0) — useful to measure engine overhead and ceilings before a trained drafter exists. ``quantize``
     as ``quantize_drafter``. A speculators eagle3 checkpoint or ``init:eagle3[:BLOCK]`` gives an
-    ``Eagle3Proposer`` (``eagle3.load_eagle3_draft``), quantised and packed the same way."""
+    ``Eagle3Proposer`` (``eagle3.load_eagle3_draft``), quantised and packed the same way; a speculators mtp
+    checkpoint, ``self:mtp[:BLOCK]`` (the target checkpoint's own multi-token-prediction head) or
+    ``init:mtp[:BLOCK]`` an ``MTPProposer`` (``mtp.load_mtp_draft``)."""
     text = os.fspath(spec)
     if eagle3.is_eagle3_spec(text):
         return eagle3.load_eagle3_draft(text, target, dtype=dtype, quantize=quantize)
+    if mtp.is_mtp_spec(text):
+        return mtp.load_mtp_draft(text, target, dtype=dtype, quantize=quantize)
     init = _parse_init_draft(text)
     if init is not None:
         drafter = init_drafter(target, init[0], block_size=init[1], dtype=dtype)

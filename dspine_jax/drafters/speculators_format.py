@@ -35,6 +35,8 @@ and ``candidate_selector.*`` codebooks without ``.weight``), so the kinds' check
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from dspine_jax.drafters.config import DrafterConfig, drafter_config_to_dict, drafter_kind
@@ -59,6 +61,18 @@ _NOT_LAYER_KEYS = {
 }  # fmt: skip
 # Tensors a speculators checkpoint may hold that belong to the verifier (the target supplies them here).
 VERIFIER_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+
+
+def speculators_model_type(path: str | os.PathLike) -> str | None:
+    """The ``speculators_model_type`` of the ``config.json`` in directory ``path`` (``"eagle3"``, ``"mtp"``, …); None
+    without such a file or key."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("speculators_model_type")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def from_speculators(config: DrafterConfig) -> bool:

@@ -23,11 +23,16 @@ Public API (the ``hybrid`` family record at the bottom; ``target.py`` reaches it
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import Array
+from safetensors import SafetensorError, safe_open
 
 from dspine_jax.models import gdn
 from dspine_jax.models.cache import (
@@ -41,11 +46,21 @@ from dspine_jax.models.cache import (
 from dspine_jax.models.config import HYBRID_TARGET_TYPES, MOE_HYBRID_TYPES, HybridConfig, hybrid_config_from_dict
 from dspine_jax.models.family import TargetFamily, TargetForward, check_taps, register_family, stack_taps
 from dspine_jax.models.layers import apply_rope, cached_attention, rms_norm, rope_cos_sin, swiglu
-from dspine_jax.models.weights import cast_params, check_consumed, hf_causal_lm_tensors, take, take_embedding_and_head
+from dspine_jax.models.weights import (
+    CheckpointError,
+    cast_params,
+    check_consumed,
+    hf_causal_lm_tensors,
+    take,
+    take_embedding_and_head,
+)
 from dspine_jax.parallel.mesh import weight
 
 FULL = "full_attention"
 LINEAR = "linear_attention"
+# The multi-token-prediction head Qwen3.5 / Qwen3-Next checkpoints ship (``mtp.fc.weight``, ``mtp.layers.0.*``, …):
+# not part of the target; ``mtp_tensors`` reads it for the MTP drafter (drafters/mtp.py).
+MTP_PREFIX = "mtp."
 
 
 @struct.dataclass
@@ -147,15 +162,46 @@ def _layer_tensors(tensors: dict[str, np.ndarray], config: HybridConfig, i: int)
 def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: HybridConfig, dtype: jnp.dtype) -> HybridParams:
     """HF-named tensors of a Qwen3.5 (text or multimodal wrapper) / Qwen3-Next checkpoint → HybridParams.
 
-    The multi-token-prediction head (``mtp.*``) and the vision tower (``model.visual.*``) are dropped;
-    every other tensor must be used exactly once.
+    The multi-token-prediction head (``mtp.*``: ``mtp_tensors`` reads it as a drafter) and the vision tower
+    (``model.visual.*``) are dropped; every other tensor must be used exactly once.
     """
-    tensors = hf_causal_lm_tensors(tensors, drop=("mtp.", "model.visual.", "visual."))
+    tensors = hf_causal_lm_tensors(tensors, drop=(MTP_PREFIX, "model.visual.", "visual."))
     embed, lm_head = take_embedding_and_head(tensors, config.vocab_size, config.hidden_size, config.tie_word_embeddings)
     layers = tuple(_layer_tensors(tensors, config, i) for i in range(config.num_layers))
     final_norm = take(tensors, "model.norm.weight", (config.hidden_size,))
     check_consumed(tensors, config.model_type)
     return cast_params(HybridParams(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head), dtype)
+
+
+def mtp_tensors(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+    """A checkpoint's multi-token-prediction head: its ``mtp.*`` tensors with the prefix removed (``fc.weight``,
+    ``pre_fc_norm_hidden.weight``, ``layers.0.self_attn.q_proj.weight`` …; torch layout), read from the
+    safetensors files without loading the rest of the model. Empty when the checkpoint has none."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if (model_dir / "model.safetensors").is_file():
+        files: dict[str, list[str] | None] = {"model.safetensors": None}  # None: every mtp.* name in the file
+    elif index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = {}
+        for name, shard in weight_map.items():
+            if name.startswith(MTP_PREFIX):
+                files.setdefault(shard, []).append(name)
+    else:
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    out = {}
+    for file, names in files.items():
+        try:
+            with safe_open(str(model_dir / file), framework="np") as f:
+                every = f.keys()
+                for name in names if names is not None else [k for k in every if k.startswith(MTP_PREFIX)]:
+                    out[name[len(MTP_PREFIX) :]] = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read the MTP tensors of {model_dir / file}: {e}") from e
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

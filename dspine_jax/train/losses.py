@@ -1,4 +1,4 @@
-"""Loss terms for DFlash / DSpine drafter training (SpecForge semantics).
+"""Loss terms for drafter training (SpecForge's DFlash / DSpine semantics, vLLM speculators' DSpark / EAGLE-3).
 
 All terms work on flattened blocks: ``M`` blocks × ``P = T-1`` proposal slots. Each returns a
 **numerator** (a weighted sum); the caller divides by ``sum(weights)``, like SpecForge, so that terms
@@ -14,6 +14,9 @@ from several chunks add up exactly.
   ``ce_weight·CE`` on labels the candidates cover + ``(1-ce_weight)·L1`` to the teacher renormalised on
   the candidates, the L1 only where the teacher's candidate mass exceeds the threshold.
 * ``alignment_terms``: ``Σ_layers (1 - cos(feature_l, C[label]))``.
+* ``kl_divergence`` / ``acceptance``: per slot, ``KL(teacher ‖ draft)`` (vLLM speculators' default ``kl_div``
+  loss, DSpark's and EAGLE-3's) and the overlap ``Σ_v min(q, p) = 1 − TV`` (the rejection-sampling acceptance
+  rate, DSpark's confidence target).
 * ``dspine_schedule``: β (alignment weight, linear warm-up 0→alignment_weight) and the predecessor
   replacement probability (held at p until ``hold`` of training, then linearly to 0 at ``end``).
 """
@@ -66,6 +69,18 @@ def refinement_terms(
     r_ce = -jnp.sum(jnp.where(covered, logq, 0.0), axis=-1)
     r_l1 = jnp.sum(jnp.abs(jnp.exp(logq) - target), axis=-1) * (mass > mass_threshold)
     return jnp.sum((ce_weight * r_ce + (1 - ce_weight) * r_l1) * weights), jnp.any(covered, axis=-1)
+
+
+def kl_divergence(logp: Array, teacher_logp: Array) -> Array:
+    """``KL(p ‖ q) = Σ_v p (log p − log q)`` per slot ``[...]`` from log-probabilities ``[..., V]`` (draft ``logp``,
+    teacher ``teacher_logp``)."""
+    return jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - logp), axis=-1)
+
+
+def acceptance(logp: Array, teacher: Array) -> Array:
+    """``Σ_v min(q, p) = 1 − TV(q, p)`` per slot ``[...]``: a draft drawn from ``q = exp(logp)`` is accepted with
+    this probability by rejection sampling against ``teacher`` probabilities ``p``."""
+    return jnp.sum(jnp.minimum(jnp.exp(logp), teacher), axis=-1)
 
 
 def alignment_terms(features: Array, codes: Array, weights: Array) -> Array:
