@@ -307,7 +307,7 @@ def build_programs(target: tgt.Target, drafter: Drafter, setup: Setup, mesh: Any
     """Every program of ``generate``, ``speculative_generate`` (``verify="auto"``) and the serving engine
     for ``setup.batch`` rows, as ``Program``s over abstract arguments. ``only``: name prefixes to keep."""
     proposer = DrafterProposer(drafter)
-    candidates = adaptive.candidate_lengths(drafter.config.block_size)
+    candidates = adaptive.candidate_lengths(proposer.block_limit)
     t_max = max(candidates)
     b, w = setup.batch, setup.prompt
     capacity = setup.context + t_max  # speculative_generate's slack for the widest verify block
@@ -562,7 +562,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
     return {
         "target": args.target, "target_config": target.model_dir, "model_type": target.config.model_type,
         "draft": args.draft, "block_size": drafter.config.block_size,
-        "verify_lengths": list(adaptive.candidate_lengths(drafter.config.block_size)),
+        "verify_lengths": list(adaptive.candidate_lengths(DrafterProposer(drafter).block_limit)),
         "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "dp": args.dp,
         "context": args.context, "prompt": args.prompt, "engine_rounds_per_step": ENGINE_ROUNDS,
         "jax": jax.__version__, "cost_source": COST_SOURCE, "build_seconds": build_seconds,

@@ -83,6 +83,19 @@ def test_greedy_dspark_matches_generate(targets, references, family, head, sampl
     check_accounting(result)
 
 
+def test_anchored_dspark_drafts_its_whole_block(targets, references):  # noqa: F811
+    """With ``sample_from_anchor`` each of the block's T positions proposes, as speculators drafts: verify blocks
+    of T + 1; without it, T."""
+    from dspine_jax.decoding.proposers import as_proposer
+
+    target = targets["llama"]
+    anchored, plain = make_dspark(target, "vanilla", True), make_dspark(target, "rnn", False)
+    assert (as_proposer(anchored).block_limit, as_proposer(plain).block_limit) == (VERIFY + 1, VERIFY)
+    result = speculative_generate(target, anchored, PROMPTS, MAX_NEW, stop_ids=[], verify=VERIFY + 1)
+    assert result.token_ids == references["llama"] and result.verify_length == VERIFY + 1
+    check_accounting(result)
+
+
 def test_hybrid_greedy_dspark_matches_ar(hybrid):  # noqa: F811
     target, reference = hybrid
     result = speculative_generate(target, make_dspark(target, "rnn", seed=5), PROMPTS, MAX_NEW, stop_ids=[], verify=VERIFY)

@@ -147,6 +147,21 @@ def test_unreachable_coordinator_fails_in_one_line(tiny_dir):
     assert time.monotonic() - start < 60
 
 
+def test_process_0_without_its_peers_fails_in_one_line(tiny_dir):
+    port = free_port()
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "dspine_jax.generate", "--model", str(tiny_dir), "--prompt", PROMPT,
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
+         "--coordinator-timeout", "3"],
+        cwd=REPO, env=worker_env(), text=True, capture_output=True, timeout=HARD_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"127.0.0.1:{port}" in last and "not all 2 processes joined" in last
+    assert "Check failed" not in done.stderr and time.monotonic() - start < 60
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--process-id", "1"], "need --coordinator"),
     (["--num-processes", "2"], "need --coordinator"),

@@ -213,9 +213,11 @@ def check_parity(theirs, drafter, target, context) -> dict[str, np.ndarray]:
     offset = 0 if getattr(drafter.config, "sample_from_anchor", False) else 1  # block position of slot 1
     for row, anchor in enumerate(ANCHORS):
         ids = seqs[row].copy()
-        ids[anchor + 1 : anchor + BLOCK] = ours["tokens"][row]  # teacher-force our walk (DSpark's previous tokens)
+        # Teacher-force our walk (DSpark's previous tokens; an anchored DSpark's last proposal, past the block, is
+        # nobody's previous token).
+        ids[anchor + 1 : anchor + BLOCK] = ours["tokens"][row][: BLOCK - 1]
         ref = theirs_block(theirs, features[row], ids, anchor)
-        slots = slice(offset, offset + BLOCK - 1)
+        slots = slice(offset, BLOCK)  # every block position proposes from `offset` on
         scale = np.abs(ref["logits"][slots]).max()
         np.testing.assert_allclose(ours["logits"][row], ref["logits"][slots], rtol=1e-5, atol=1e-5 * scale)
         if "confidence" in ref:

@@ -78,19 +78,19 @@ S = 20
 def test_dspark_training_logits_are_the_walks(target, head, from_anchor):
     drafter = _perturbed(init_drafter(target, "dspark", num_layers=2, intermediate_size=48, block_size=BLOCK, seed=0,
                                       markov_rank=8, markov_head_type=head, sample_from_anchor=from_anchor))  # fmt: skip
-    taps, p = drafter.config.target_layer_ids, BLOCK - 1
+    taps, p = drafter.config.target_layer_ids, BLOCK if from_anchor else BLOCK - 1  # (anchored: every position)
     tokens = np.random.default_rng(0).integers(3, target.config.vocab_size, (2, S)).astype(np.int32)
     batch = _batch(target, taps, tokens)
     cache = append_context(drafter, init_draft_cache(drafter, 2, S + BLOCK), batch["tapped"], jnp.asarray(ANCHORS))
     anchor = jnp.asarray(tokens[[0, 1], ANCHORS])
     walk = jax.jit(dspark.walk)(drafter, target, cache, anchor, jax.random.split(jax.random.key(0), 2), Sampling.rows(2))
     # The walk's own proposals after each anchor: the teacher-forced "previous tokens" are then the walked ones.
-    for row, a in enumerate(ANCHORS):
-        tokens[row, a + 1 : a + 1 + p] = np.asarray(walk.tokens[row])
+    for row, a in enumerate(ANCHORS):  # (an anchored walk's last proposal, past the block, is nobody's previous)
+        tokens[row, a + 1 : a + BLOCK] = np.asarray(walk.tokens[row, : BLOCK - 1])
     trainable, frozen = split_params(drafter)
     pred = _predict(trainable, frozen, drafter.config, target.params.embed, target.params.lm_head,
                     _batch(target, taps, tokens), jnp.asarray(ANCHORS[:, None]), jnp.ones((2, 1), bool))  # fmt: skip
-    assert pred.logits.shape == (2, 1, BLOCK if from_anchor else p, target.config.vocab_size)
+    assert pred.logits.shape == (2, 1, p, target.config.vocab_size) and walk.logits.shape[1] == p
     np.testing.assert_allclose(np.asarray(pred.logits[:, 0, :p]), np.asarray(walk.logits), atol=2e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(jax.nn.sigmoid(pred.aux[:, 0, :p])), np.asarray(walk.confidence), atol=1e-5)
 

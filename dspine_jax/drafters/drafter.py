@@ -232,6 +232,11 @@ class DFlash:
 
     # --- config.json (the fields beyond the Qwen3 backbone and dflash_config) ---
 
+
+    def verify_block(self, config: Any) -> int:
+        """The longest verify block (anchor + proposals) one block forward drafts for: ``block_size`` (slot 0
+        holds the anchor, slots 1 … T − 1 propose)."""
+        return config.block_size
     def read_config(self, cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments of ``config_class``: the parsed shared ``fields`` with the kind's own read
         from ``cfg`` (parsed only: ``config_class.validate`` checks their values). DFlash decodes over the whole

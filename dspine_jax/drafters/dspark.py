@@ -16,8 +16,8 @@ just before, so the walk is sequential):
 * ``sample_from_anchor`` (DSpark's default, DeepSpec's convention): block position k predicts the token
   after it, so position 0 (the anchor's) proposes too. Position k's previous token is the token at
   position k: the anchor for k = 0, the proposal drawn at position k − 1 after that. A block of T
-  positions gives T proposals; the verify block holds anchor + T − 1 of them, so the last position's is
-  not drafted (the proposer protocol's longest verify is ``block_size``).
+  positions gives T proposals: the longest verify block is T + 1 (``DSpark.verify_block``), as speculators
+  drafts it.
 * otherwise (DFlash's convention): position k ≥ 1 predicts the token at position k; its previous token
   is the anchor for k = 1 and the proposal of position k − 1 after that. Position 0 proposes nothing, but
   the ``rnn`` state still steps over it (with the anchor as its previous token), as in training.
@@ -329,6 +329,10 @@ class DSpark(DFlash):
             confidence = ConfidenceHead(weight=uniform((i,), i), bias=uniform((), i))
         return with_kind_weights(DSparkParams, backbone, markov=markov, confidence=confidence)
 
+    def verify_block(self, config: DSparkConfig) -> int:
+        """With ``sample_from_anchor`` every block position proposes (the anchor's too): anchor + ``block_size``."""
+        return config.block_size + 1 if config.sample_from_anchor else config.block_size
+
     # --- decode head ---
 
     def walk(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, keys: Array, sampling: Sampling) -> DSparkWalk:
@@ -337,8 +341,8 @@ class DSpark(DFlash):
         config, params = drafter.config, drafter.params
         offset = 0 if config.sample_from_anchor else 1  # block position that proposes slot 1
         t = fwd.hidden.shape[1]
-        p = t - 1
-        hidden = fwd.hidden[:, offset : offset + p]  # [B, P, H]
+        p = t - offset
+        hidden = fwd.hidden[:, offset:]  # [B, P, H]
         unary = unary_logits(drafter, target, hidden)  # [B, P, V'] float32
         b, _, width = unary.shape
         cand_ids = jnp.broadcast_to(vocab_ids(drafter, jnp.arange(width, dtype=jnp.int32)), (b, p, width))

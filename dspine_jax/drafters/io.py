@@ -474,8 +474,9 @@ def _parse_init_draft(text: str) -> tuple[str, int] | None:
 
 
 def draft_block_size(spec: str | os.PathLike) -> int:
-    """The block size a ``--draft`` value stands for, checked without loading any weights (the CLI
-    validates its arguments with it before the slow model load)."""
+    """The longest verify block a ``--draft`` value stands for (a checkpoint's block size, one more for a DSpark
+    drafter that samples from its anchor; ``init:KIND:BLOCK``'s BLOCK), checked without loading any weights (the
+    CLI validates its arguments with it before the slow model load)."""
     text = os.fspath(spec)
     if eagle3.is_eagle3_spec(text):  # a sequential head: its block is the steps it drafts + the anchor
         return eagle3.eagle3_block_size(text)
@@ -487,7 +488,8 @@ def draft_block_size(spec: str | os.PathLike) -> int:
     if not os.path.isdir(text) and hub.parse_repo_id(text) is None:
         raise FileNotFoundError(f"{text!r} is not a directory (a drafter checkpoint), a hub repo id (ORG/NAME), "
                                 "nor init:dspine / init:dflash")
-    return load_drafter_config(hub.resolve_drafter_dir(text)).block_size  # a hub id: fetched (or cached) now
+    config = load_drafter_config(hub.resolve_drafter_dir(text))  # a hub id: fetched (or cached) now
+    return drafter_kind(config.kind).verify_block(config)
 
 
 def load_draft(

@@ -69,8 +69,8 @@ class DrafterProposer:
 
     @property
     def block_limit(self) -> int:
-        """The longest verify block (anchor + proposals) the drafter was built for."""
-        return self.drafter.config.block_size
+        """The longest verify block (anchor + proposals) the drafter was built for (its kind's ``verify_block``)."""
+        return self.drafter.kind.verify_block(self.drafter.config)
 
     @property
     def tag(self) -> str:
@@ -86,7 +86,7 @@ class DrafterProposer:
         width = config.num_taps * config.hidden_size
         return DrafterState(
             ring=init_draft_cache(self.drafter, batch, capacity, target.kv_cache_dtype),
-            pending=sharded_zeros((batch, max(PENDING_SLOTS, config.block_size), width), self.drafter.dtype,
+            pending=sharded_zeros((batch, max(PENDING_SLOTS, self.block_limit), width), self.drafter.dtype,
                                   ("batch", None, None)),  # fmt: skip
             num_pending=sharded_zeros((batch,), jnp.int32, ("batch",)),
         )
@@ -115,8 +115,9 @@ class DrafterProposer:
         drafter = self.drafter
         # A causal drafter's first `num` slots do not depend on later ones: draft a shorter block
         # (cheaper). A bidirectional one was trained on its full block: draft it all, verify a prefix.
-        if num + 1 < drafter.config.block_size and all(drafter.config.layer_causal):
-            drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=num + 1))
+        need = drafter.config.block_size - (self.block_limit - num - 1)  # block positions `num` proposals take
+        if need < drafter.config.block_size and all(drafter.config.layer_causal):
+            drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=need))
         out = draft(drafter, target, state.ring, anchor, keys, sampling)
         return DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
 
@@ -129,7 +130,7 @@ class DrafterProposer:
         b, t, _ = features.shape
         slots = state.pending.shape[1]
         num_new = num_new.astype(jnp.int32)
-        if t > slots:  # (the round's blocks are at most block_limit = block_size ≤ slots)
+        if t > slots:  # (the round's blocks are at most block_limit ≤ slots)
             raise ValueError(f"a block of {t} tokens is longer than the drafter's {slots} pending slots")
         full = jnp.any(state.num_pending + num_new > slots)
         state = jax.lax.cond(full, lambda s: self.flush(target, s), lambda s: s, state)

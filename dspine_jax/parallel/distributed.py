@@ -18,6 +18,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -82,24 +83,44 @@ def initialize(
     process (a C++ check, a page of stack) when the coordinator does not answer, so a process other than 0
     first waits up to ``timeout`` seconds for the coordinator's port to accept a connection and raises
     ``ConnectionError`` naming the address if it never does. Process 0 *is* the coordinator: it says how long
-    it waits for the others (JAX aborts after ``timeout`` seconds if they do not all come). Must run before
+    it waits for the others and, if they do not all come within ``timeout`` seconds, exits 1 with one line
+    (before JAX's own abort). Must run before
     anything touches a device."""
     deadline = time.monotonic() + timeout
+    alone: threading.Timer | None = None
     if coordinator is not None and process_id:
         host, _, port = coordinator.rpartition(":")
         wait_for_port(host, int(port), timeout)
     elif coordinator is not None and (num_processes or 1) > 1:
         print(f"[dspine_jax] coordinator at {coordinator}: waiting up to {timeout}s for {num_processes - 1} "
               f"more process(es)", file=sys.stderr, flush=True)  # fmt: skip
+        # JAX aborts process 0 (a C++ check and a page of stack) when its peers do not all come: say it in one
+        # line first, and leave (the main thread is inside the runtime's wait).
+        alone = threading.Timer(timeout, _peers_missing, (coordinator, num_processes, timeout))
+        alone.daemon = True
+        alone.start()
     remaining = max(1, int(deadline - time.monotonic()))
     try:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=remaining)  # fmt: skip
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=remaining + (PEERS_GRACE_SECONDS if alone else 0))  # fmt: skip
     except Exception as e:  # a bad environment, an address that does not parse …
         where = coordinator or "the address in the environment"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectionError(f"could not start the multi-process runtime with the coordinator at {where}: "
                               f"{first[:200]}") from None  # fmt: skip
+    finally:
+        if alone is not None:
+            alone.cancel()
+
+
+PEERS_GRACE_SECONDS = 10  # process 0 gives up on its peers itself, this long before JAX would
+
+
+def _peers_missing(coordinator: str, num_processes: int, timeout: int) -> None:
+    print(f"error: the coordinator at {coordinator} waited {timeout}s, but not all {num_processes} processes joined "
+          f"(start every process with --coordinator {coordinator} --num-processes {num_processes} and its own "
+          f"--process-id; --coordinator-timeout waits longer)", file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(1)
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> None:
