@@ -95,15 +95,10 @@ def test_dspark_training_logits_are_the_walks(target, head, from_anchor):
     np.testing.assert_allclose(np.asarray(jax.nn.sigmoid(pred.aux[:, 0, :p])), np.asarray(walk.confidence), atol=1e-5)
 
 
-def test_eagle3_training_logits_are_the_draft_steps(target):
-    """Two layers, a draft vocabulary: step s of the chain from an anchor reads the token step s − 1 drafted."""
-    v = target.config.vocab_size
-    proposer = _perturbed(E.init_eagle3(target, num_layers=2, block_size=BLOCK, draft_ids=np.arange(0, v, 2),
-                                        layer_type="llama", norm_before_residual=True, norm_before_fc=True,
-                                        norm_output=True), scale=0.05)  # fmt: skip
-    steps = BLOCK - 1
-    tokens = np.random.default_rng(1).integers(3, v, (2, S)).astype(np.int32)
-    batch = _batch(target, proposer.taps, tokens)
+def _draft_and_force(target, proposer, taps, tokens: np.ndarray, steps: int):
+    """Prefill a sequential head up to each row's anchor, draft ``steps`` steps (their logits are returned) and
+    write the drafted tokens into ``tokens`` after each anchor (teacher forcing the chain the head walked)."""
+    batch = _batch(target, taps, tokens)
     state = proposer.init(target, 2, S + BLOCK)
     state = jax.jit(lambda p, s, h, t, n, x: p.prefill(target, s, h, t, n, x))(
         proposer, state, batch["teacher_hidden"], batch["tapped"], jnp.asarray(ANCHORS), batch["tokens"])
@@ -112,6 +107,18 @@ def test_eagle3_training_logits_are_the_draft_steps(target):
         proposer, target, state, anchor, jax.random.split(jax.random.key(0), 2), Sampling.rows(2), num=steps)
     for row, a in enumerate(ANCHORS):
         tokens[row, a + 1 : a + steps] = np.asarray(out.tokens[row, :-1])
+    return logits
+
+
+def test_eagle3_training_logits_are_the_draft_steps(target):
+    """Two layers, a draft vocabulary: step s of the chain from an anchor reads the token step s − 1 drafted."""
+    v = target.config.vocab_size
+    proposer = _perturbed(E.init_eagle3(target, num_layers=2, block_size=BLOCK, draft_ids=np.arange(0, v, 2),
+                                        layer_type="llama", norm_before_residual=True, norm_before_fc=True,
+                                        norm_output=True), scale=0.05)  # fmt: skip
+    steps = BLOCK - 1
+    tokens = np.random.default_rng(1).integers(3, v, (2, S)).astype(np.int32)
+    logits = _draft_and_force(target, proposer, proposer.taps, tokens, steps)
     trainable, frozen = split_params(proposer)
     pred = _predict(trainable, frozen, proposer.config, target.params.embed, target.params.lm_head,
                     _batch(target, proposer.taps, tokens), jnp.asarray(ANCHORS[:, None]), jnp.ones((2, 1), bool))  # fmt: skip
@@ -192,15 +199,7 @@ def test_mtp_training_logits_are_the_draft_steps(target, layer_type):
     proposer = _perturbed(M.init_mtp(target, block_size=BLOCK, layer_type=layer_type, dtype="float32"), scale=0.05)
     steps, v = BLOCK - 1, target.config.vocab_size
     tokens = np.random.default_rng(2).integers(3, v, (2, S)).astype(np.int32)
-    batch = _batch(target, (), tokens)
-    state = proposer.init(target, 2, S + BLOCK)
-    state = jax.jit(lambda p, s, h, t, n, x: p.prefill(target, s, h, t, n, x))(
-        proposer, state, batch["teacher_hidden"], batch["tapped"], jnp.asarray(ANCHORS), batch["tokens"])
-    anchor = jnp.asarray(tokens[[0, 1], ANCHORS])
-    out, logits = jax.jit(E.draft_steps, static_argnames="num")(
-        proposer, target, state, anchor, jax.random.split(jax.random.key(0), 2), Sampling.rows(2), num=steps)
-    for row, a in enumerate(ANCHORS):
-        tokens[row, a + 1 : a + steps] = np.asarray(out.tokens[row, :-1])
+    logits = _draft_and_force(target, proposer, (), tokens, steps)
     trainable, frozen = split_params(proposer)
     assert frozen == {}  # embedding and LM head are the target's, passed to the step
     pred = _predict(trainable, frozen, proposer.config, target.params.embed, target.params.lm_head,
