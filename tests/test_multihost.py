@@ -132,34 +132,34 @@ def test_two_processes_decode_a_hybrid_speculatively_like_one(hybrid_dir, capsys
     check_two_equal_one(hybrid_dir, ["--draft", "init:dspine", "--verify", "4"], capsys, monkeypatch)
 
 
-def test_unreachable_coordinator_fails_in_one_line(tiny_dir):
-    port = free_port()  # nobody listens there
+def alone(model_dir: Path, process_id: int, timeout: int) -> tuple[subprocess.CompletedProcess, int, float]:
+    """Process ``process_id`` of two, started alone (its peer never comes) → (the run, the coordinator's port,
+    seconds it took)."""
+    port = free_port()  # (for process 1: nobody listens there)
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "dspine_jax.generate", "--model", str(tiny_dir), "--prompt", PROMPT,
-         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1",
-         "--coordinator-timeout", "2"],
+        [sys.executable, "-m", "dspine_jax.generate", "--model", str(model_dir), "--prompt", PROMPT,
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id),
+         "--coordinator-timeout", str(timeout)],
         cwd=REPO, env=worker_env(), text=True, capture_output=True, timeout=HARD_TIMEOUT_S,
     )  # fmt: skip
+    return done, port, time.monotonic() - start
+
+
+def test_unreachable_coordinator_fails_in_one_line(tiny_dir):
+    done, port, seconds = alone(tiny_dir, 1, 2)
     assert done.returncode != 0 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "coordinator" in lines[0], done.stderr
-    assert time.monotonic() - start < 60
+    assert seconds < 60
 
 
 def test_process_0_without_its_peers_fails_in_one_line(tiny_dir):
-    port = free_port()
-    start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "dspine_jax.generate", "--model", str(tiny_dir), "--prompt", PROMPT,
-         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
-         "--coordinator-timeout", "3"],
-        cwd=REPO, env=worker_env(), text=True, capture_output=True, timeout=HARD_TIMEOUT_S,
-    )  # fmt: skip
+    done, port, seconds = alone(tiny_dir, 0, 3)
     assert done.returncode == 1 and done.stdout == ""
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and f"127.0.0.1:{port}" in last and "not all 2 processes joined" in last
-    assert "Check failed" not in done.stderr and time.monotonic() - start < 60
+    assert "Check failed" not in done.stderr and seconds < 60
 
 
 @pytest.mark.parametrize("flags,message", [

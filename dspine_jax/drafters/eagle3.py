@@ -55,6 +55,9 @@ from dspine_jax.drafters.drafter import DraftOutput, choose
 from dspine_jax.drafters.params import pack_drafter, quantize_drafter
 from dspine_jax.drafters.speculators_format import (  # the format we write (and test against)
     SPECULATORS_VERSION,
+    proposal_config,
+    spec_model_type,
+    speculative_tokens,
     speculators_model_type,
 )
 from dspine_jax.models import hub, quant
@@ -200,7 +203,6 @@ def config_from_dict(cfg: dict[str, Any], num_target_layers: int | None = None) 
     target_hidden = cfg.get("target_hidden_size")
     if target_hidden not in (None, tl.hidden_size):
         raise CheckpointError(f"eagle3 target_hidden_size {target_hidden} != its hidden_size {tl.hidden_size}")
-    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
     head_dim = getattr(tl, "head_dim", None) or tl.hidden_size // tl.num_attention_heads
     return Eagle3Config(
         layer_type=layer_type, hidden_size=tl.hidden_size, num_layers=n, num_heads=tl.num_attention_heads,
@@ -211,7 +213,7 @@ def config_from_dict(cfg: dict[str, Any], num_target_layers: int | None = None) 
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         norm_before_fc=bool(cfg.get("norm_before_fc", False)), fc_norm=bool(cfg.get("fc_norm", False)),
         norm_output=bool(cfg.get("norm_output", False)),
-        speculative_tokens=int(methods[0].get("speculative_tokens", 3)),
+        speculative_tokens=speculative_tokens(cfg, 3),
         max_position_embeddings=int(getattr(tl, "max_position_embeddings", 2048)),
     )  # fmt: skip
 
@@ -247,13 +249,7 @@ def config_to_dict(config: Eagle3Config, verifier: str | None = None, architectu
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": list(c.layer_ids),
         "embed_requires_grad": False,
-        "speculators_config": {
-            "algorithm": KIND,
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.speculative_tokens,
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],  # fmt: skip
-            "verifier": {"name_or_path": verifier, "architectures": architectures or []},
-        },
+        "speculators_config": proposal_config(KIND, c.speculative_tokens, verifier, architectures),
     }
 
 
@@ -958,11 +954,7 @@ def parse_init_spec(text: str) -> int | None:
 def is_eagle3_spec(text: str) -> bool:
     """Whether a ``--draft`` value names an EAGLE-3 head: ``init:eagle3[:BLOCK]``, or a directory / hub repo
     id whose ``config.json`` says ``speculators_model_type: eagle3``."""
-    if parse_init_spec(text) is not None:
-        return True
-    if text.startswith("init:") or not (os.path.isdir(text) or hub.parse_repo_id(text) is not None):
-        return False
-    return is_eagle3_dir(hub.resolve_drafter_dir(text))
+    return parse_init_spec(text) is not None or spec_model_type(text) == KIND
 
 
 def eagle3_block_size(text: str) -> int:
@@ -970,9 +962,7 @@ def eagle3_block_size(text: str) -> int:
     block = parse_init_spec(text)
     if block is not None:
         return block
-    cfg = json.loads((hub.resolve_drafter_dir(text) / "config.json").read_text())
-    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return int(methods[0].get("speculative_tokens", 3)) + 1
+    return speculative_tokens(read_head_config(text)[1], 3) + 1
 
 
 def load_eagle3_draft(

@@ -61,8 +61,14 @@ from safetensors.numpy import save_file
 from dspine_jax.drafters import eagle3
 from dspine_jax.drafters.eagle3 import SequentialHead
 from dspine_jax.drafters.params import pack_drafter, quantize_drafter
-from dspine_jax.drafters.speculators_format import SPECULATORS_VERSION, VERIFIER_TENSORS, speculators_model_type
-from dspine_jax.models import hub, quant
+from dspine_jax.drafters.speculators_format import (
+    SPECULATORS_VERSION,
+    VERIFIER_TENSORS,
+    proposal_config,
+    spec_model_type,
+    speculative_tokens,
+)
+from dspine_jax.models import quant
 from dspine_jax.models.config import (
     HybridConfig,
     TargetConfig,
@@ -228,9 +234,8 @@ def config_from_dict(cfg: dict[str, Any]) -> MTPConfig:
     if int(cfg.get("num_nextn_predict_layers", 1)) != 1:
         raise CheckpointError(f"mtp num_nextn_predict_layers {cfg['num_nextn_predict_layers']}: one layer is supported")
     layer = dict(cfg.get("transformer_layer_config") or {})
-    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    steps = int(methods[0].get("speculative_tokens", DEFAULT_STEPS))
-    return config_from_target(layer_target_config(layer), layer["model_type"], steps, layer)
+    return config_from_target(layer_target_config(layer), layer["model_type"], speculative_tokens(cfg, DEFAULT_STEPS),
+                              layer)
 
 
 def config_to_dict(config: MTPConfig, verifier: str | None = None, architectures: list[str] | None = None) -> dict:
@@ -242,13 +247,7 @@ def config_to_dict(config: MTPConfig, verifier: str | None = None, architectures
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": json.loads(config.layer_config),
         "num_nextn_predict_layers": 1,
-        "speculators_config": {
-            "algorithm": KIND,
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.speculative_tokens,
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": verifier, "architectures": architectures or []},
-        },
+        "speculators_config": proposal_config(KIND, config.speculative_tokens, verifier, architectures),
     }
 
 
@@ -512,11 +511,7 @@ def parse_spec(text: str) -> tuple[str, int | None] | None:
 def is_mtp_spec(text: str) -> bool:
     """Whether a ``--draft`` value names an MTP head: ``self:mtp[:BLOCK]``, ``init:mtp[:BLOCK]``, or a directory /
     hub repo id whose ``config.json`` says ``speculators_model_type: mtp``."""
-    if parse_spec(text) is not None:
-        return True
-    if text.startswith(("init:", f"{SELF}:")) or not (os.path.isdir(text) or hub.parse_repo_id(text) is not None):
-        return False
-    return speculators_model_type(hub.resolve_drafter_dir(text)) == KIND
+    return parse_spec(text) is not None or spec_model_type(text) == KIND
 
 
 def mtp_block_size(text: str) -> int:
@@ -524,9 +519,7 @@ def mtp_block_size(text: str) -> int:
     spec = parse_spec(text)
     if spec is not None:
         return spec[1] or DEFAULT_STEPS + 1
-    cfg = json.loads((hub.resolve_drafter_dir(text) / "config.json").read_text())
-    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return int(methods[0].get("speculative_tokens", DEFAULT_STEPS)) + 1
+    return speculative_tokens(eagle3.read_head_config(text)[1], DEFAULT_STEPS) + 1
 
 
 def load_mtp_draft(

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dspine_jax.drafters.config import DrafterConfig, drafter_config_to_dict, drafter_kind
+from dspine_jax.models import hub
 
 SPECULATORS_VERSION = "0.9.0"
 # Per speculators model type (= our kind name): its top-level keys beyond DFlash's, with speculators'
@@ -75,6 +76,33 @@ def speculators_model_type(path: str | os.PathLike) -> str | None:
         return None
 
 
+def spec_model_type(text: str) -> str | None:
+    """The ``speculators_model_type`` a ``--draft`` value names: a directory or hub repo id (fetched, or read from
+    the cache) whose ``config.json`` has one; None for anything else (``init:`` / ``self:`` values, other paths)."""
+    if text.startswith(("init:", "self:")) or not (os.path.isdir(text) or hub.parse_repo_id(text) is not None):
+        return None
+    return speculators_model_type(hub.resolve_drafter_dir(text))
+
+
+def speculative_tokens(cfg: dict[str, Any], default: int) -> int:
+    """The tokens a speculators checkpoint drafts per round (its first proposal method's)."""
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return int(methods[0].get("speculative_tokens", default))
+
+
+def proposal_config(algorithm: str, tokens: int, verifier: str | None = None,
+                    architectures: list[str] | None = None) -> dict[str, Any]:
+    """``speculators_config``: greedy proposals of ``tokens`` per round; ``verifier`` the target's path or hub id
+    (where speculators' loader reads the embedding and LM head)."""
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "accept_tolerance": 0.0,
+                              "verifier_accept_k": 1}],
+        "verifier": {"name_or_path": verifier, "architectures": architectures or []},
+    }
+
+
 def from_speculators(config: DrafterConfig) -> bool:
     """Whether ``config`` was read from a speculators checkpoint (its verifier-owned tensors are skipped)."""
     return "speculators" in json.loads(config.raw_json)
@@ -103,16 +131,7 @@ def nest(config: DrafterConfig) -> dict[str, Any]:
     layer = {key: value for key, value in flat.items() if key not in _NOT_LAYER_KEYS and key not in KIND_KEYS[stype]}
     layer["model_type"] = layer.get("model_type") or "qwen3"
     own = dict(flat.get("speculators") or {})
-    sample_from_anchor = bool(getattr(config, "sample_from_anchor", False))
-    proposals = config.block_size if sample_from_anchor else config.block_size - 1
-    own.setdefault("speculators_config", {
-        "algorithm": stype,
-        "proposal_methods": [
-            {"proposal_type": "greedy", "speculative_tokens": proposals, "accept_tolerance": 0.0, "verifier_accept_k": 1}
-        ],
-        "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": None, "architectures": []},
-    })  # fmt: skip
+    own.setdefault("speculators_config", proposal_config(stype, drafter_kind(stype).verify_block(config) - 1))
     own.pop("auto_map", None)  # points at a config.py speculators writes beside it; we write none
     own.setdefault("speculators_version", SPECULATORS_VERSION)
     own.setdefault("sliding_window_non_causal", stype == "dflash2")
@@ -127,5 +146,5 @@ def nest(config: DrafterConfig) -> dict[str, Any]:
         "mask_token_id": config.mask_token_id,
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
-        "sample_from_anchor": sample_from_anchor,
+        "sample_from_anchor": bool(getattr(config, "sample_from_anchor", False)),
     }

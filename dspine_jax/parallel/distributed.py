@@ -105,12 +105,17 @@ def initialize(
                                    initialization_timeout=remaining + (PEERS_GRACE_SECONDS if alone else 0))  # fmt: skip
     except Exception as e:  # a bad environment, an address that does not parse …
         where = coordinator or "the address in the environment"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectionError(f"could not start the multi-process runtime with the coordinator at {where}: "
-                              f"{first[:200]}") from None  # fmt: skip
+                              f"{first_line(e, 200)}") from None  # fmt: skip
     finally:
         if alone is not None:
             alone.cancel()
+
+
+def first_line(error: BaseException, width: int = 300) -> str:
+    """An error's first line (the runtime's messages run to pages), or its type's name when it has none."""
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:width]
 
 
 PEERS_GRACE_SECONDS = 10  # process 0 gives up on its peers itself, this long before JAX would

@@ -137,9 +137,9 @@ def load_engine(args: argparse.Namespace, mesh: Any, log: Callable[[str], None])
         log(f"mesh: data={args.dp} x model={args.tp} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
     share = max(1, len(drafters))  # several drafters: an engine each, splitting the memory bounds
     cores: dict[str, EngineCore] = {}
+    maps = default_max_maps()
     for name, drafter in (drafters or {None: None}).items():
         sps = load_sps_table(args.sps_table) if args.sps_table and drafter is not None else None
-        maps = default_max_maps()
         try:
             core = EngineCore(target, drafter, num_slots=args.max_running_requests, context_length=context,
                               verify_len=args.block_size, sps_table=sps, mesh=mesh, verify=args.verify,

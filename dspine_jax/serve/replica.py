@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -152,7 +153,7 @@ class LeaderCore:
 def is_peer_error(e: BaseException) -> bool:
     """A failed collective (a peer's closed connection, a timeout in the runtime) or a divergence between
     processes: the run cannot go on."""
-    return isinstance(e, distributed.DivergenceError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+    return isinstance(e, (distributed.DivergenceError, jax.errors.JaxRuntimeError))
 
 
 @contextmanager
@@ -163,8 +164,7 @@ def _peer_errors(what: str) -> Iterator[None]:
         yield
     except Exception as e:
         if is_peer_error(e):
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise PeerFailure(f"lost the other processes ({what}: {first})") from e
+            raise PeerFailure(f"lost the other processes ({what}: {distributed.first_line(e)})") from e
         raise
 
 
@@ -199,7 +199,6 @@ def follow(core: EngineCore, *, peer_timeout: float = DEFAULT_PEER_TIMEOUT_S,
                     # compile) and goes on, or resets (a ``reset`` call follows)
                     log(f"{name}: {type(e).__name__}: {e}")
         except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            log(f"lost process 0 ({type(e).__name__}: {first}): stopping")
+            log(f"lost process 0 ({type(e).__name__}: {distributed.first_line(e)}): stopping")
             sys.stderr.flush()
             return FAILURE_EXIT_CODE

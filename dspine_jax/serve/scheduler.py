@@ -247,13 +247,8 @@ class AsyncEngine:
                     self.die(e)
                     return
                 traceback.print_exception(e)
-                for req in {id(r): r for r in [*self.active.values(), *(u[0] for u in self.undelivered)]}.values():
-                    req.slot = None  # the reset below frees every slot
-                    if not req.finished:
-                        req.finished = True
-                        req.emit(("error", f"internal error while generating: {type(e).__name__}: {e}"))
-                        self.metrics.request(req.endpoint, "error")
-                self.active.clear()
+                self._fail_all([*self.active.values(), *(u[0] for u in self.undelivered)],
+                               ("error", f"internal error while generating: {type(e).__name__}: {e}"))
                 self.in_flight, self.release_after_step, self.undelivered = False, [], []
                 try:
                     core.reset()
@@ -267,14 +262,20 @@ class AsyncEngine:
             self.error, self.state = message, "failed"
             requests = [*self.active.values(), *(u[0] for u in self.undelivered), *self.waiting]
             self.waiting.clear()
-        for req in {id(r): r for r in requests}.values():
-            if not req.finished:
-                req.finished = True
-                req.emit(("error", message, 503))
-                self.metrics.request(req.endpoint, "error")
-        self.active.clear()
+        self._fail_all(requests, ("error", message, 503))
         if self.on_failure is not None:
             self.on_failure(message)
+
+    def _fail_all(self, requests: list[GenRequest], event: tuple) -> None:
+        """End every one of ``requests`` not yet finished with the error ``event``; no slot is held after (the
+        caller resets the engine or stops it)."""
+        for req in {id(r): r for r in requests}.values():
+            req.slot = None
+            if not req.finished:
+                req.finished = True
+                req.emit(event)
+                self.metrics.request(req.endpoint, "error")
+        self.active.clear()
 
     def _iteration(self, core: EngineCore) -> None:
         for req in list(self.active.values()):
