@@ -38,6 +38,9 @@ PROMPTS = ["Hello, world", "The quick brown fox jumps", "def f(x):", "1, 2, 3, 4
 START_TIMEOUT_S = 240  # loading and starting on 2 busy cores (~20-40 s here)
 REQUEST_TIMEOUT_S = 240  # first requests compile their programs (--warmup none)
 EXIT_TIMEOUT_S = 60  # a failed or stopped run must be over within this
+# A killed peer usually breaks the next collective at once; one that dies while a new group of devices first
+# connects leaves gloo retrying the connection, and then the watchdog ends the wait after this long.
+PEER_TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,7 @@ class Pair:
         command = [sys.executable, "-m", "dspine_jax.serve", "--model", str(model_dir), "--port", str(self.port),
                    "--tp", "4", "--dp", "2", "--max-running-requests", "4", "--context-length", "96",
                    "--draft", "init:dspine", "--verify", "4", "--warmup", "none", "--coordinator", f"127.0.0.1:{coordinator}",
-                   "--num-processes", "2", *extra]  # fmt: skip
+                   "--num-processes", "2", "--peer-timeout", str(PEER_TIMEOUT_S), *extra]  # fmt: skip
         self.logs = [tmp / f"process{rank}.log" for rank in range(2)]
         self.procs = [subprocess.Popen([*command, "--process-id", str(rank)], cwd=REPO, env=worker_env(),
                                        stdout=subprocess.DEVNULL, stderr=open(self.logs[rank], "w"))
@@ -144,10 +147,10 @@ def test_killed_follower_fails_requests_with_503_and_the_leader_exits(pair, expe
     thread.start()
     time.sleep(1.0)  # (admitted and decoding: a step takes tens of ms, 80 tokens take seconds)
     pair.procs[1].kill()
-    thread.join(timeout=EXIT_TIMEOUT_S)
+    thread.join(timeout=PEER_TIMEOUT_S + EXIT_TIMEOUT_S)
     assert not thread.is_alive(), "the request in flight hung"
     assert result.get("status") == 503, result
-    assert "lost the other processes" in result["message"]
+    assert "lost the other processes" in result["message"] or "no answer from the other processes" in result["message"]
     assert pair.wait(0) == replica.FAILURE_EXIT_CODE, pair.log(0)[-3000:]
 
 
