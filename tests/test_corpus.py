@@ -14,6 +14,7 @@ import pytest
 from dspine_jax.drafters.config import build_target_layer_ids
 from dspine_jax.models.target import load_target
 from dspine_jax.train import corpus
+from dspine_jax.train import data as data_module
 from dspine_jax.train.data import (
     PLAN_FILE,
     PackedFeatures,
@@ -123,6 +124,18 @@ def test_build_features_packed_equals_target_forward(tiny_models, tmp_path, monk
         np.testing.assert_allclose(got[i, :n], want[i, :n], atol=2e-2, rtol=2e-2)  # float16 storage
         assert not got[i, n:].any()
         assert mask[i].sum() == n - len(r["prompt_ids"])
+
+    # Fewer taps (or none: an MTP head reads the final hidden alone) come from the wider store, not a new pass.
+    def recomputed(*args, **kwargs):
+        raise RuntimeError("features recomputed")
+
+    monkeypatch.setattr(data_module, "_compute_row_features", recomputed)
+    for subset, columns in (((2,), [1, 2]), ((), [2])):
+        _, _, narrow = build_features(str(model_dir), data, subset, max_len=16, chunk=4, progress=False)
+        assert narrow.shape == (6, 16, len(subset) + 1, feats.shape[-1])
+        np.testing.assert_array_equal(narrow[np.arange(6)], feats[np.arange(6)][:, :, columns])
+    with pytest.raises(RuntimeError, match="features recomputed"):  # a tap the store lacks: a pass of its own
+        build_features(str(model_dir), data, (1,), max_len=16, chunk=4, progress=False)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -142,6 +142,8 @@ def test_killed_follower_fails_requests_with_503_and_the_leader_exits(pair, expe
             result["text"] = pair.complete(PROMPTS[0], max_tokens=80)
         except openai.APIStatusError as e:
             result["status"], result["message"] = e.status_code, str(e)
+        except openai.APIConnectionError as e:  # (the leader went away without answering)
+            result["connection"] = repr(e.__cause__ or e)
 
     thread = threading.Thread(target=long_request)
     thread.start()
@@ -149,7 +151,7 @@ def test_killed_follower_fails_requests_with_503_and_the_leader_exits(pair, expe
     pair.procs[1].kill()
     thread.join(timeout=PEER_TIMEOUT_S + EXIT_TIMEOUT_S)
     assert not thread.is_alive(), "the request in flight hung"
-    assert result.get("status") == 503, result
+    assert result.get("status") == 503, f"{result}\n{pair.log(0)[-3000:]}"
     assert "lost the other processes" in result["message"] or "no answer from the other processes" in result["message"]
     assert pair.wait(0) == replica.FAILURE_EXIT_CODE, pair.log(0)[-3000:]
 
@@ -177,6 +179,13 @@ def test_watchdog_fires_only_past_its_timeout():
         while not fired and time.monotonic() < deadline:
             time.sleep(0.05)
     assert fired and fired[0][0] == "stuck" and fired[0][1] > 0.4
+
+
+def test_the_runtime_outwaits_the_watchdog():
+    """JAX aborts a process whose peer is silent past its heartbeat timeout (no 503, no clean exit): the
+    server's watchdog must fire first, whatever ``--peer-timeout`` says."""
+    for peer_timeout in (1, PEER_TIMEOUT_S, replica.DEFAULT_PEER_TIMEOUT_S, 3600):
+        assert replica.heartbeat_timeout(peer_timeout) >= peer_timeout + 30
 
 
 def test_exchange_is_the_message_itself_in_one_process():

@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 DEFAULT_TIMEOUT_SECONDS = 60  # how long a process waits for the coordinator (and its peers) at start
+DEFAULT_HEARTBEAT_SECONDS = 100  # JAX's own: a peer silent this long aborts every process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,25 +68,27 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--coordinator-timeout: must be >= 1 second, got {args.coordinator_timeout}")
 
 
-def initialize_from_args(args: argparse.Namespace) -> None:
+def initialize_from_args(args: argparse.Namespace, *, heartbeat_timeout: int = DEFAULT_HEARTBEAT_SECONDS) -> None:
     """Start the runtime if the flags ask for it (``check_arguments`` first); nothing otherwise."""
     if args.coordinator is not None:
-        initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.coordinator_timeout)
+        initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.coordinator_timeout,
+                   heartbeat_timeout=heartbeat_timeout)  # fmt: skip
     elif args.distributed:
-        initialize(timeout=args.coordinator_timeout)
+        initialize(timeout=args.coordinator_timeout, heartbeat_timeout=heartbeat_timeout)
 
 
 def initialize(
     coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None, *,
-    timeout: int = DEFAULT_TIMEOUT_SECONDS,
+    timeout: int = DEFAULT_TIMEOUT_SECONDS, heartbeat_timeout: int = DEFAULT_HEARTBEAT_SECONDS,
 ) -> None:
     """``jax.distributed.initialize`` with a bounded wait that fails in one line. JAX itself aborts the
     process (a C++ check, a page of stack) when the coordinator does not answer, so a process other than 0
     first waits up to ``timeout`` seconds for the coordinator's port to accept a connection and raises
     ``ConnectionError`` naming the address if it never does. Process 0 *is* the coordinator: it says how long
     it waits for the others and, if they do not all come within ``timeout`` seconds, exits 1 with one line
-    (before JAX's own abort). Must run before
-    anything touches a device."""
+    (before JAX's own abort). ``heartbeat_timeout``: after this many seconds without a peer's heartbeat the
+    runtime aborts the process (no clean exit): a caller with its own, kinder bound sets this above it. Must
+    run before anything touches a device."""
     deadline = time.monotonic() + timeout
     alone: threading.Timer | None = None
     if coordinator is not None and process_id:
@@ -102,7 +105,8 @@ def initialize(
     remaining = max(1, int(deadline - time.monotonic()))
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                                   initialization_timeout=remaining + (PEERS_GRACE_SECONDS if alone else 0))  # fmt: skip
+                                   initialization_timeout=remaining + (PEERS_GRACE_SECONDS if alone else 0),
+                                   heartbeat_timeout_seconds=heartbeat_timeout)  # fmt: skip
     except Exception as e:  # a bad environment, an address that does not parse …
         where = coordinator or "the address in the environment"
         raise ConnectionError(f"could not start the multi-process runtime with the coordinator at {where}: "

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --verify: {e}")
 
     try:  # before anything touches a device: the runtime must own them from the start
-        distributed.initialize_from_args(args)
+        distributed.initialize_from_args(args, heartbeat_timeout=replica.heartbeat_timeout(args.peer_timeout))
     except ConnectionError as e:
         sys.exit(f"error: {e}")
     where = f" {jax.process_index()}/{jax.process_count()}" if distributed.multiprocess() else ""

@@ -45,6 +45,14 @@ DEFAULT_PEER_TIMEOUT_S = 300  # the longest a process waits in a collective for 
 FAILURE_EXIT_CODE = 3  # a process that lost its peers
 
 
+def heartbeat_timeout(peer_timeout: int) -> int:
+    """The runtime's heartbeat timeout for a server whose watchdog waits ``peer_timeout`` seconds. A peer the
+    runtime stops hearing from aborts the process outright (no 503, no clean exit), so it must outlast the
+    watchdog, which ends the requests in flight first (a peer that dies while gloo first connects a group of
+    devices breaks no collective: only one of these two timers sees it)."""
+    return max(distributed.DEFAULT_HEARTBEAT_SECONDS, peer_timeout + 60)
+
+
 class PeerFailure(RuntimeError):
     """A collective with the other processes failed or timed out: the run cannot go on."""
 

@@ -209,14 +209,21 @@ class PackedFeatures:
     (and truncates a longer stored row to ``S``). Responses vary from a few tokens to hundreds, so
     padding on disk would cost more than the data."""
 
-    def __init__(self, flat: np.ndarray | list[np.ndarray], lengths, max_len: int) -> None:
+    def __init__(self, flat: np.ndarray | list[np.ndarray], lengths, max_len: int,
+                 columns: list[np.ndarray | None] | None = None) -> None:  # fmt: skip
         parts = flat if isinstance(flat, list) else [flat]
         part_lengths = lengths if isinstance(flat, list) else [lengths]
         self.parts, self.max_len = parts, max_len
+        # ``columns[j]``: which stored columns of part ``j`` are this view's ``n+1`` (a store that tapped more
+        # layers than asked for serves a subset of them); None: all, in order.
+        self.columns = columns or [None] * len(parts)
         self.lengths = np.concatenate([np.asarray(n, np.int64) for n in part_lengths])
         self.part = np.concatenate([np.full(len(n), j, np.int64) for j, n in enumerate(part_lengths)])
         self.offsets = np.concatenate([np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64) for n in part_lengths])
-        self.shape = (len(self.lengths), max_len, *parts[0].shape[1:])
+        width = [len(c) if c is not None else p.shape[1] for p, c in zip(parts, self.columns)]
+        if len(set(width)) != 1:
+            raise ValueError(f"feature parts have different numbers of columns: {sorted(set(width))}")
+        self.shape = (len(self.lengths), max_len, width[0], *parts[0].shape[2:])
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -226,7 +233,8 @@ class PackedFeatures:
         out = np.zeros((len(idx), *self.shape[1:]), self.parts[0].dtype)
         for j, i in enumerate(idx):
             start, n = self.offsets[i], min(self.lengths[i], self.max_len)
-            out[j, :n] = self.parts[self.part[i]][start : start + n]
+            rows, columns = self.parts[self.part[i]][start : start + n], self.columns[self.part[i]]
+            out[j, :n] = rows if columns is None else rows[:, columns]
         return out
 
 
@@ -300,18 +308,37 @@ def _corpus_features(
     target = load_target(target_spec)
     pad = target.config.pad_token_id or 0
     feat_dir = features_dir(data_dir, Path(target.model_dir).name or "target", taps)
-    parts, part_lengths = [], []
+    stores = [(feat_dir, None), *wider_feature_stores(feat_dir, taps)]
+    parts, part_lengths, columns = [], [], []
     for shard, rows in zip(tqdm(shards, desc="target features (shards)", disable=not progress), rows_per_shard):
         lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
-        flat = read_shard_features(feat_dir, shard, lengths)
+        found = ((read_shard_features(d, shard, lengths), c) for d, c in stores)
+        flat, selected = next(((f, c) for f, c in found if f is not None), (None, None))
         if flat is None:
             seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
             write_shard_features(feat_dir, shard, _compute_row_features(target, seqs, taps, chunk, pad))
             flat = read_shard_features(feat_dir, shard, lengths)
         parts.append(flat)
         part_lengths.append(np.asarray(lengths, np.int64))
+        columns.append(selected)
     rows = [r for rows in rows_per_shard for r in rows]
-    return rows, PackedFeatures(parts, part_lengths, max_len), pad
+    return rows, PackedFeatures(parts, part_lengths, max_len, columns), pad
+
+
+def wider_feature_stores(feat_dir: Path, taps: tuple[int, ...]) -> list[tuple[Path, np.ndarray]]:
+    """Stores of the same corpus and target that tapped every layer of ``taps`` and more, each with the columns
+    that are ``taps`` (then the final hidden state): drafters that tap different layers share one feature
+    pass when it tapped their union (``build_features`` with the union of their taps)."""
+    prefix = feat_dir.name.rsplit("-taps", 1)[0] + "-taps"
+    found = []
+    for other in sorted(feat_dir.parent.glob(f"{prefix}*")):
+        spec = other.name[len(prefix):]
+        if other == feat_dir or not re.fullmatch(r"\d+(_\d+)*|", spec):
+            continue
+        stored = [int(x) for x in spec.split("_")] if spec else []
+        if set(taps) <= set(stored):
+            found.append((other, np.asarray([*(stored.index(t) for t in taps), len(stored)])))
+    return found
 
 
 def build_features(
