@@ -164,3 +164,125 @@ def test_draft_vocabulary_save_load_round_trip(targets, tmp_path):  # noqa: F811
     again = jax.jit(dspark.walk)(back, target, cache, *args)
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(out.tokens))
     np.testing.assert_allclose(np.asarray(again.q), np.asarray(out.q), rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic verification: the confidence head cuts a round to a shorter verify (adaptive.confidence_cut)
+
+CUT_COSTS = {1: 1.0, 2: 1.0, 4: 1.5, 5: 1.6}  # a drafted round of 4 pays only when ~0.5 more tokens come
+
+
+def with_confidence(drafter: Drafter, scale: float, bias: float, seed: int = 11) -> Drafter:
+    """A confidence head with O(``scale``) random weights (confidences that vary with the previous token)."""
+    head = drafter.params.confidence
+    weight = scale / math.sqrt(head.weight.shape[0]) * jax.random.normal(jax.random.PRNGKey(seed), head.weight.shape)
+    head = head.replace(weight=weight.astype(head.weight.dtype), bias=jnp.asarray(bias, head.bias.dtype))
+    return drafter.replace(params=drafter.params.replace(confidence=head))
+
+
+def decode_with_cut(target, drafter, prompts, verify_len, costs, *, temperature=0.0, key=None, max_new=MAX_NEW):
+    """``generate_impl`` with every round at ``verify_len`` and the confidence cut on (no policy choice between
+    rounds): the emitted tokens per row and the verify lengths of its rounds that the budget did not cut."""
+    from dspine_jax.decoding import adaptive
+    from dspine_jax.decoding.planning import plan_request
+    from dspine_jax.decoding.speculative import generate_impl
+
+    _, capacity, tokens, lengths, _ = plan_request(target, prompts, max_new, temperature or 1.0, 1.0, 0, [])
+    policy = adaptive.make_policy(list(costs), costs)
+    out = jax.jit(generate_impl, static_argnames=("capacity", "out_width", "verify_len", "top_k", "greedy"))(
+        target, DrafterProposer(drafter), jnp.asarray(tokens), jnp.asarray(lengths),
+        jax.random.key(0) if key is None else key, jnp.float32(temperature or 1.0), jnp.float32(1.0),
+        jnp.asarray([-1], jnp.int32), jnp.int32(max_new), capacity=capacity + verify_len, out_width=max_new,
+        verify_len=verify_len, top_k=0, greedy=temperature == 0, cut=policy,
+    )  # fmt: skip
+    rounds, kept = np.asarray(out.rounds), np.asarray(out.kept)
+    lengths = []  # per row, the lengths of the rounds that had at least 5 tokens of budget left (others cut by it)
+    for i in range(len(prompts)):
+        left = max_new - 1 - np.concatenate([[0], np.cumsum(kept[i, : rounds[i]])[:-1]])
+        lengths.append([int(t) for t, n in zip(np.asarray(out.lengths)[i, : rounds[i]], left) if n >= 5])
+    return [np.asarray(out.tokens)[i, : int(out.written[i])].tolist() for i in range(len(prompts))], lengths
+
+
+def test_confidence_cut_is_a_stopping_rule():
+    """Whether a proposal is verified depends only on confidences of earlier slots (which depend on proposals
+    already kept): changing every confidence past the chosen length never changes the choice. Sure
+    proposals are all verified, hopeless ones cut to the shortest drafted length; a pinned length is kept."""
+    from dspine_jax.decoding import adaptive
+
+    policy = adaptive.make_policy(list(CUT_COSTS) + [8], {**CUT_COSTS, 8: 2.2})
+    lengths = adaptive.cut_lengths(policy, 8)
+    assert lengths == (2, 4, 5, 8)
+    rng = np.random.default_rng(0)
+    running, remaining = jnp.ones((3,), bool), jnp.full((3,), 50, jnp.int32)
+    choices = set()
+    for _ in range(60):
+        c = rng.uniform(0.2, 1.0, (3, 7)).astype(np.float32)
+        index = int(adaptive.confidence_cut(policy, lengths, jnp.asarray(c), running, remaining))
+        choices.add(index)
+        c[:, lengths[index]:] = rng.uniform(0.0, 1.0, c[:, lengths[index]:].shape)
+        assert int(adaptive.confidence_cut(policy, lengths, jnp.asarray(c), running, remaining)) == index
+    assert len(choices) > 1  # (the trials reach several lengths: the check above is not vacuous)
+    assert int(adaptive.confidence_cut(policy, lengths, jnp.ones((3, 7)), running, remaining)) == len(lengths) - 1
+    assert int(adaptive.confidence_cut(policy, lengths, jnp.full((3, 7), 0.01), running, remaining)) == 0
+    pinned = adaptive.make_policy(list(CUT_COSTS), CUT_COSTS, schedule=[4])
+    assert int(adaptive.confidence_cut(pinned, (2, 4), jnp.full((3, 4), 0.01), running, remaining)) == 1
+
+
+@pytest.mark.parametrize("bias,expected", [(-30.0, {2}), (30.0, {5}), (0.5, None)])
+def test_confidence_cut_rounds_stay_greedy_exact(targets, references, bias, expected):  # noqa: F811
+    """Rounds of 5 cut by the drafter's confidence: all to 2 when it is sure of nothing, none when it is sure
+    of everything, a mix in between; the output equals ``generate`` whatever the cut."""
+    target = targets["qwen3"]
+    drafter = with_confidence(make_dspark(target, "vanilla", sample_from_anchor=False), 4.0, bias)
+    tokens, lengths = decode_with_cut(target, drafter, PROMPTS, 5, CUT_COSTS)
+    assert tokens == references["qwen3"]
+    seen = {t for row in lengths for t in row}
+    assert seen == expected if expected else len(seen) > 1 and seen <= {2, 4, 5}, seen
+
+
+def test_confidence_cut_keeps_dspark_sampling_lossless(small_vocab_target):  # noqa: F811
+    """The cut is decided row by row here (one row per vmapped call), so it follows each row's own draft as
+    closely as it can; the joint law of the first tokens is still the target's."""
+    from test_speculative_sampling import CHUNK, SAMPLES
+
+    from dspine_jax.decoding import adaptive
+    from dspine_jax.decoding.speculative import generate_impl
+    from dspine_jax.models.panels import unpack_params
+
+    # (vmap turns the round's switch into a select over batched operands, weights included: the CPU panel
+    # kernel takes one weight matrix, so this target multiplies through XLA)
+    target = small_vocab_target.replace(params=unpack_params(small_vocab_target.params))
+    drafter = with_confidence(make_dspark(target, "vanilla", block_size=4, seed=7, sample_from_anchor=False), 3.0, 1.0)
+    tokens = jnp.asarray([PROMPT + [0] * (16 - len(PROMPT))], jnp.int32)
+
+    def sampler(cost_4: float):
+        policy = adaptive.make_policy([1, 2, 4], {1: 1.0, 2: 1.0, 4: cost_4})
+
+        def one(key):
+            return generate_impl(target, DrafterProposer(drafter), tokens, jnp.asarray([len(PROMPT)], jnp.int32), key,
+                                 jnp.float32(1.0), jnp.float32(1.0), jnp.asarray([-1], jnp.int32), jnp.int32(N_TOKENS),
+                                 capacity=20, out_width=N_TOKENS, verify_len=4, top_k=0, greedy=False, cut=policy)  # fmt: skip
+
+        return jax.jit(jax.vmap(one))
+
+    def cut_share(out) -> float:  # of the first rounds, those cut to 2
+        return float((np.asarray(out.lengths)[:, 0, 0] == 2).mean())
+
+    # The price of a round of 4 that puts the cut among this drafter's confidences (a trial on other keys): a
+    # row's length then depends on its own proposals, which is what could break the law.
+    for cost_4 in (1.1, 1.2, 1.3, 1.4, 1.5):
+        run = sampler(cost_4)
+        if 0.2 < cut_share(run(jax.random.split(jax.random.key(7), CHUNK))) < 0.8:
+            break
+    else:
+        pytest.fail("no price of a round of 4 mixes cut and uncut rounds")
+    samples, shares = [], []
+    for chunk in range(SAMPLES // CHUNK):
+        out = run(jax.random.split(jax.random.key(300 + chunk), CHUNK))
+        assert (np.asarray(out.written) == N_TOKENS).all()
+        samples.append(np.asarray(out.tokens)[:, 0, :N_TOKENS])
+        shares.append(cut_share(out))
+    assert 0.05 < np.mean(shares) < 0.95, shares
+    counts = np.zeros((V,) * N_TOKENS, np.int64)
+    np.add.at(counts, tuple(np.concatenate(samples).T), 1)
+    assert_fits(counts, exact_joint(target, 1.0, 1.0, 0))

@@ -204,6 +204,46 @@ def choose(
     return jnp.where(pinned >= 0, pinned, best), (due | unseen) & (pinned < 0)
 
 
+def cut_lengths(policy: VerifyPolicy, verify_len: int) -> tuple[int, ...]:
+    """The drafted lengths a round of ``verify_len`` may be cut to after drafting (``confidence_cut``): the
+    policy's candidates from ``PROBE_LENGTH`` up to ``verify_len``; empty when there is nothing to choose."""
+    lengths = tuple(t for t in policy.lengths if PROBE_LENGTH <= t <= verify_len)
+    return lengths if len(lengths) > 1 and verify_len in lengths else ()
+
+
+def confidence_cut(policy: VerifyPolicy, lengths: tuple[int, ...], confidence: Array, running: Array,
+                   remaining: Array) -> Array:  # fmt: skip
+    """After drafting, the index into ``lengths`` of the prefix of the draft to verify, from the drafter's own
+    predicted acceptance of each proposal (``confidence [B, P]``, DSpark's confidence head: dynamic verification).
+
+    Going from ``lengths[j]`` to ``lengths[j+1]`` adds proposals ``lengths[j] … lengths[j+1]-1``; it is worth it
+    when the tokens the batch expects per unit of cost rise. The rule looks only at the confidences of slots
+    ``≤ lengths[j]``, which depend on proposals already kept, and stops at the first step that does not pay:
+    whether a proposal is verified never depends on that proposal, so sampled rows stay lossless. The unknown
+    slots past ``lengths[j]`` are extrapolated with the last known confidence."""
+    c = jnp.clip(confidence.astype(jnp.float32), 0.0, 1.0)
+    survive = jnp.cumprod(c, axis=1)  # [B, P] the drafter's P(slots 1…k all accepted)
+    cum = jnp.concatenate([jnp.zeros_like(survive[:, :1]), jnp.cumsum(survive, axis=1)], axis=1)  # [B, P+1]
+    cost = lambda t: policy.costs[policy.lengths.index(t)]  # noqa: E731
+
+    def tokens(upto: Array) -> Array:  # [B] expected tokens of verifying slots 1…upto-1 (bonus included)
+        return 1.0 + jnp.take_along_axis(cum, jnp.clip(jnp.minimum(upto, remaining), 1, cum.shape[1])[:, None] - 1,
+                                         axis=1)[:, 0]  # fmt: skip
+
+    index, going = jnp.int32(0), jnp.bool_(True)
+    for j, (short, long) in enumerate(zip(lengths, lengths[1:])):
+        here = tokens(jnp.full_like(remaining, short))
+        last, base = c[:, short - 1], survive[:, short - 1]  # slot `short`: its proposal's predecessor is kept
+        steps = jnp.arange(long - short)[None, :]  # slots short … long-1, those within the row's budget
+        usable = steps < (remaining - short)[:, None]
+        extra = jnp.sum(jnp.where(usable, base[:, None] * last[:, None] ** steps, 0.0), axis=1)
+        gain = jnp.sum(jnp.where(running, here + extra, 0.0)) / cost(long)
+        now = jnp.sum(jnp.where(running, here, 0.0)) / cost(short)
+        going = going & (gain > now)
+        index = jnp.where(going, j + 1, index)
+    return jnp.where(jnp.any(policy.schedule >= 0), len(lengths) - 1, index)  # a pinned length is not cut
+
+
 def peeks(length: int, probe: bool, greedy: bool) -> bool:
     """Whether a round the policy chose runs as a peek (a plain round plus a one-token draft): a probe at
     ``PROBE_LENGTH`` of greedy rows, whose statistic (the draft's token against the emitted one) needs no wider

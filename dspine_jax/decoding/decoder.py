@@ -83,10 +83,12 @@ class Transcript:
 def decode_rounds(
     target: tgt.Target, proposer: Proposer, state: DecodeState, transcript: Transcript, stop_ids: Array,
     max_rounds: Array | None = None, *, verify_len: int, greedy: bool, peek: bool = False, track: bool = True,
+    cut: VerifyPolicy | None = None,
 ) -> tuple[DecodeState, Transcript]:
     """Rounds of ``verify_len`` tokens (``round.speculative_round``) until every row stops, or ``max_rounds``
     rounds (None: no limit), each written into ``transcript``. ``greedy``: every row is greedy (compiles out
-    the sampling path); ``peek``: every round a peek; ``track``: keep the policy's statistics."""
+    the sampling path); ``peek``: every round a peek; ``track``: keep the policy's statistics; ``cut``: the
+    adaptive policy, for drafters whose confidence may shorten a round."""
     t = verify_len
     rows = jnp.arange(state.anchor.shape[0])
     slots = jnp.arange(t)[None, :]  # [1, T]
@@ -101,7 +103,7 @@ def decode_rounds(
         state, out = carry
         running = state.running
         state, result = speculative_round(target, proposer, state, stop_ids, verify_len=t, all_greedy=greedy,
-                                          peek=peek, track=track)  # fmt: skip
+                                          peek=peek, track=track, cut=cut)  # fmt: skip
         n_keep = result.n_keep
         width, history = out.tokens.shape[1], out.kept.shape[1]
         columns = jnp.where(slots < n_keep[:, None], out.written[:, None] + slots, width)  # out of range → dropped
@@ -111,7 +113,7 @@ def decode_rounds(
             written=out.written + n_keep, stopped=out.stopped | result.hit_stop,
             kept=out.kept.at[rows, record].set(n_keep, mode="drop"),
             accepted=out.accepted.at[rows, record].set(result.accepted, mode="drop"),
-            lengths=out.lengths.at[rows, record].set(t, mode="drop"), rounds=out.rounds + running,
+            lengths=out.lengths.at[rows, record].set(result.length, mode="drop"), rounds=out.rounds + running,
             iterations=out.iterations + 1,
         )
         return state, out
@@ -136,8 +138,8 @@ def segment(
     """``max_rounds`` rounds at ``verify_len`` (``decode_rounds``), then ``policy``'s next choice. A policy
     of one length is a fixed verify length: no statistics are kept."""
     track = len(policy.lengths) > 1
-    state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, max_rounds,
-                                      verify_len=verify_len, greedy=greedy, peek=peek, track=track)  # fmt: skip
+    state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, max_rounds, verify_len=verify_len,
+                                      greedy=greedy, peek=peek, track=track, cut=policy if track else None)  # fmt: skip
     running, stats = state.running, state.stats
     index, probe = adaptive.choose(policy, stats, running, state.remaining, transcript.iterations)
     until_probe = jnp.min(jnp.where(running, stats.wait - stats.idle, adaptive.MAX_WAIT))

@@ -27,6 +27,7 @@ Letters as in layers.py: B batch, T verify block (anchor + P proposals), V vocab
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -64,11 +65,12 @@ class RoundOutput:
     n_keep: Array  # [B] tokens added to the output (0 for rows that do not run)
     accepted: Array  # [B] proposals verification accepted, before stop / budget cuts
     hit_stop: Array  # [B] the kept tokens end on a stop id
+    length: Array  # int32: the tokens verified (T, or less where the drafter's confidence cut the draft)
 
 
 def speculative_round(
     target: tgt.Target, proposer: Proposer, state: DecodeState, stop_ids: Array, *, verify_len: int,
-    all_greedy: bool, peek: bool = False, track: bool = True,
+    all_greedy: bool, peek: bool = False, track: bool = True, cut: adaptive.VerifyPolicy | None = None,
 ) -> tuple[DecodeState, RoundOutput]:
     """One round (module doc) for every row at ``verify_len`` (``stop_ids [K]``, -1 = padding).
 
@@ -77,7 +79,10 @@ def speculative_round(
     ``peek`` (a plain round of greedy rows): a probe that costs a draft, not a wider verify — the proposer
     drafts one token, the plain step runs as always, and the statistics count a round of length
     ``PROBE_LENGTH`` whose proposal was accepted iff it equals the token the step emitted (what that round
-    would have recorded). The emitted tokens are the plain step's, so the output is unchanged."""
+    would have recorded). The emitted tokens are the plain step's, so the output is unchanged.
+    ``cut`` (the adaptive policy): a drafter that predicts its proposals' acceptance (DSpark's confidence head)
+    may have only a prefix of its draft verified, one of the policy's shorter lengths (``adaptive.confidence_cut``);
+    each such length is a branch of this round."""
     t = verify_len
     b = state.anchor.shape[0]
     if peek and (t != 1 or not all_greedy):
@@ -94,17 +99,34 @@ def speculative_round(
         temperature=jnp.where(greedy, 0.0, sampling.temperature), top_p=jnp.where(greedy, 1.0, sampling.top_p),
         top_k=jnp.where(greedy, 0, sampling.top_k),
     )
-    slots = jnp.arange(t)[None, :]  # [1, T]
 
     # 1. draft
     proposal = None
-    block = state.anchor[:, None]
     proposer_state = state.proposer_state
     if t > 1 or peek:
         proposer_state = proposer.flush(target, proposer_state)  # (plain rounds leave the drafter's ingest pending)
         proposal = proposer.propose(target, proposer_state, state.anchor, state.counts, key_draft, draft_sampling,
                                     max(t - 1, 1))  # fmt: skip
+    state = state.replace(proposer_state=proposer_state, keys=key_next)
+    verify = functools.partial(_verify_and_commit, target, proposer, state, stop_ids, proposal, key_accept,
+                               all_greedy=all_greedy, greedy=greedy, peek=peek, track=track, width=t)  # fmt: skip
+    lengths = () if cut is None or peek or proposal is None or proposal.confidence is None else adaptive.cut_lengths(cut, t)
+    if not lengths:
+        return verify(t)
+    index = adaptive.confidence_cut(cut, lengths, proposal.confidence, state.running, state.remaining)
+    return jax.lax.switch(index, [functools.partial(verify, length) for length in lengths])
+
+
+def _verify_and_commit(
+    target: tgt.Target, proposer: Proposer, state: DecodeState, stop_ids: Array, proposal: Any, key_accept: Array,
+    t: int, *, all_greedy: bool, greedy: Array, peek: bool, track: bool, width: int,
+) -> tuple[DecodeState, RoundOutput]:
+    """Steps 2–5 of a round for the anchor and the first ``t - 1`` proposals; ``emitted`` is padded to ``width``."""
+    sampling = state.sampling
+    slots = jnp.arange(t)[None, :]  # [1, T]
+    block = state.anchor[:, None]
     if t > 1:
+        proposal = proposal.first(t - 1)
         block = jnp.concatenate([block, proposal.tokens.astype(jnp.int32)], axis=1)  # [B, T]
     # 2. verify
     hidden, tapped, cache, saved = tgt.forward(target, state.cache, block, proposer.taps)
@@ -127,7 +149,7 @@ def speculative_round(
     hit_stop = jnp.any(is_stop & (slots < n_keep[:, None]), axis=1)
     # 5. commit: the anchor and the kept proposals (the last kept token is the next anchor)
     cache = tgt.replay(target, cache, saved, n_keep)
-    proposer_state = proposer.commit(target, proposer_state, hidden, tapped, n_keep, block)
+    proposer_state = proposer.commit(target, state.proposer_state, hidden, tapped, n_keep, block)
     last = jnp.take_along_axis(emitted, jnp.maximum(n_keep - 1, 0)[:, None], axis=1)[:, 0]
     remaining = state.remaining - n_keep
     stats = state.stats
@@ -139,9 +161,10 @@ def speculative_round(
     state = state.replace(
         cache=cache, proposer_state=proposer_state, anchor=jnp.where(n_keep > 0, last, state.anchor),
         running=state.running & ~hit_stop & (remaining > 0), remaining=remaining, counts=state.counts + n_keep,
-        keys=key_next, stats=stats,
+        stats=stats,
     )
-    return state, RoundOutput(emitted=emitted, n_keep=n_keep, accepted=accepted, hit_stop=hit_stop)
+    emitted = jnp.pad(emitted, ((0, 0), (0, width - t)))
+    return state, RoundOutput(emitted=emitted, n_keep=n_keep, accepted=accepted, hit_stop=hit_stop, length=jnp.int32(t))
 
 
 def prefill(

@@ -75,11 +75,11 @@ class SpeculativeResult(GenerationResult):
 def generate_impl(
     target: tgt.Target, proposer: Proposer, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
     temperature: jax.Array, top_p: jax.Array, stop_ids: jax.Array, max_new_tokens: jax.Array, *, capacity: int,
-    out_width: int, verify_len: int, top_k: int, greedy: bool,
+    out_width: int, verify_len: int, top_k: int, greedy: bool, cut: adaptive.VerifyPolicy | None = None,
 ) -> Transcript:
     """Prefill + rounds of a fixed verify length to the end, as one pure function (``jax.vmap``-able: the
     statistical tests draw many samples with it). ``capacity`` is the physical cache size (planned +
-    ``verify_len``)."""
+    ``verify_len``). ``cut``: an adaptive policy whose lengths a confident drafter's rounds may be cut to."""
     key_prefill, key_loop = jax.random.split(key)
     prefilled = rnd.prefill(target, proposer, tokens, lengths, key_prefill, temperature, top_p, capacity=capacity,
                             top_k=top_k, greedy=greedy)  # fmt: skip
@@ -87,7 +87,7 @@ def generate_impl(
     state, transcript = begin_impl(*prefilled, key_loop, sampling, stop_ids, max_new_tokens, max_verify=verify_len,
                                    out_width=out_width)  # fmt: skip
     return decode_rounds(target, proposer, state, transcript, stop_ids, verify_len=verify_len, greedy=greedy,
-                         track=False)[1]  # fmt: skip
+                         track=cut is not None, cut=cut)[1]  # fmt: skip
 
 
 def speculative_generate(

@@ -93,6 +93,15 @@ class DraftOutput:
     tokens: Array  # [B, P] int32 proposals for block slots 1..P
     cand_ids: Array  # [B, P, C] int32
     q: Array  # [B, P, C] float32, rows sum to 1
+    # [B, P] float32: the drafter's predicted acceptance of each proposal (DSpark's confidence head), else None.
+    # Slot k's may depend on the proposals before it, never on its own (round.speculative_round cuts on it).
+    confidence: Array | None = None
+
+    def first(self, num: int) -> DraftOutput:
+        """The first ``num`` proposals."""
+        head = lambda x: None if x is None else x[:, :num]  # noqa: E731
+        return DraftOutput(tokens=head(self.tokens), cand_ids=head(self.cand_ids), q=head(self.q),
+                           confidence=head(self.confidence))  # fmt: skip
 
 
 @struct.dataclass

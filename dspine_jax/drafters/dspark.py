@@ -380,7 +380,7 @@ class DSpark(DFlash):
 
     def decode(self, drafter: Drafter, target: Target, fwd: BlockForward, anchor: Array, keys: Array, sampling: Sampling) -> DraftOutput:
         out = self.walk(drafter, target, fwd, anchor, keys, sampling)
-        return DraftOutput(tokens=out.tokens, cand_ids=out.cand_ids, q=out.q)
+        return DraftOutput(tokens=out.tokens, cand_ids=out.cand_ids, q=out.q, confidence=out.confidence)
 
 
 def walk(drafter: Drafter, target: Target, cache: DraftCache, anchor: Array, keys: Array, sampling: Sampling) -> DSparkWalk:

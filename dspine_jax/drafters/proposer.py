@@ -118,8 +118,7 @@ class DrafterProposer:
         need = drafter.config.block_size - (self.block_limit - num - 1)  # block positions `num` proposals take
         if need < drafter.config.block_size and all(drafter.config.layer_causal):
             drafter = drafter.replace(config=dataclasses.replace(drafter.config, block_size=need))
-        out = draft(drafter, target, state.ring, anchor, keys, sampling)
-        return DraftOutput(tokens=out.tokens[:, :num], cand_ids=out.cand_ids[:, :num], q=out.q[:, :num])
+        return draft(drafter, target, state.ring, anchor, keys, sampling).first(num)
 
     def commit(
         self, target: tgt.Target, state: DrafterState, hidden: Array, tapped: Array, num_new: Array,
