@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: 3 built-in prompts)")
-    parser.add_argument("--draft", help="drafter checkpoint (or init:dspine) for a speculative column")
+    parser.add_argument("--draft", help="drafter checkpoint (or init:KIND, self:mtp) for a speculative column")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default experiments/results/bench_ar.json; --report: .../report.json)")
     report = parser.add_argument_group("--report: five systems on held-out prompts per domain")

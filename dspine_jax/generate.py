@@ -91,8 +91,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="attention K/V caches (the target's and the drafter's context ring): auto = --dtype, "
                         "int8 = int8 with a float32 scale per head and token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of plain text")
-    parser.add_argument("--draft", help="drafter checkpoint dir or hub repo id ORG/NAME[@REVISION] "
-                        "(or init:dspine / init:dflash) for speculative decoding")
+    parser.add_argument("--draft", help="drafter checkpoint dir or hub repo id ORG/NAME[@REVISION], init:KIND[:BLOCK] "
+                        "(dspine, dflash, dflash2, dspark, eagle3, mtp: untrained) or self:mtp (the target's own MTP "
+                        "head) for speculative decoding")
     parser.add_argument("--verify", help="tokens per verify step (anchor included): 'auto' (default with --draft: "
                         "chosen every round from the measured acceptance and the device's cost per length; 1 = a "
                         "plain decode step) or a fixed length N")

@@ -158,7 +158,7 @@ def _ints(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dspine_jax.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="target: HF-format directory or alias")
-    parser.add_argument("--draft", required=True, help="drafter directory, or init:dspine / init:dflash (fresh)")
+    parser.add_argument("--draft", required=True, help="drafter directory, init:KIND[:BLOCK] (untrained) or self:mtp")
     parser.add_argument("--prompts", required=True, help="prompts file (.jsonl / .json / text lines)")
     parser.add_argument("--out", required=True, help="where to write the sps table (JSON)")
     parser.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8])
