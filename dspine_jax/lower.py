@@ -57,11 +57,11 @@ from safetensors import safe_open
 
 from dspine_jax.decoding import adaptive, decoder, speculative
 from dspine_jax.decoding import round as rnd
-from dspine_jax.decoding.proposers import NoProposer
+from dspine_jax.decoding.proposers import NoProposer, Proposer, as_proposer
+from dspine_jax.drafters import eagle3, mtp, speculators_format
 from dspine_jax.drafters import io as drafter_io
 from dspine_jax.drafters.config import drafter_kinds
 from dspine_jax.drafters.params import Drafter
-from dspine_jax.drafters.proposer import DrafterProposer
 from dspine_jax.models import dense, hub, hybrid, presets, weights
 from dspine_jax.models import target as tgt
 from dspine_jax.models.config import read_config_json
@@ -216,6 +216,7 @@ def _has_weights(model_dir: Path) -> bool:
     return (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file()
 
 
+SEQUENTIAL_KINDS = (eagle3.KIND, mtp.KIND)  # heads that draft one token per step: proposers, not ``Drafter``s
 _INIT_SHORT = re.compile(r"^init:([A-Za-z0-9_]+)-b(\d+)$")
 
 
@@ -224,17 +225,18 @@ def normalise_draft(text: str) -> str:
     m = _INIT_SHORT.match(text)
     if m is None:
         return text
-    if m.group(1) not in drafter_kinds() or int(m.group(2)) < 2:
-        raise ValueError(f"{text!r}: expected init:KIND-bBLOCK with KIND one of {', '.join(drafter_kinds())} "
-                         "and BLOCK >= 2")
+    kinds = (*drafter_kinds(), *SEQUENTIAL_KINDS)
+    if m.group(1) not in kinds or int(m.group(2)) < 2:
+        raise ValueError(f"{text!r}: expected init:KIND-bBLOCK with KIND one of {', '.join(kinds)} and BLOCK >= 2")
     return f"init:{m.group(1)}:{m.group(2)}"
 
 
-def abstract_drafter(draft: str, target: tgt.Target) -> Drafter:
-    """A ``Drafter`` with ``ShapeDtypeStruct`` params for ``target``: ``init:…`` runs the initialiser under
-    ``jax.eval_shape``; a checkpoint (dir or hub id) its loader over the safetensors headers."""
+def abstract_drafter(draft: str, target: tgt.Target) -> Drafter | Proposer:
+    """A ``Drafter`` (or a sequential head's proposer: EAGLE-3, MTP) with ``ShapeDtypeStruct`` params for
+    ``target``: ``init:…`` and ``self:mtp`` run the initialiser or loader under ``jax.eval_shape``; a block
+    drafter's checkpoint (dir or hub id) its loader over the safetensors headers."""
     text = normalise_draft(draft)
-    if text.startswith("init:"):
+    if text.startswith(("init:", "self:")) or speculators_format.spec_model_type(text) in SEQUENTIAL_KINDS:
         return jax.eval_shape(lambda t: drafter_io.load_draft(text, t), target)
     model_dir = Path(hub.resolve_drafter_dir(text))
     config = drafter_io.load_drafter_config(model_dir)
@@ -281,8 +283,9 @@ def shard_abstract(tree: Any, place: Callable[[Any], Any], mesh: Any) -> Any:
 
 @dataclasses.dataclass
 class Program:
-    """A program a run compiles: ``fn(*args)`` (static arguments bound), ``drafts``: it runs the drafter's
-    forward, so it must hold the Pallas kernels when lowered for an accelerator."""
+    """A program a run compiles: ``fn(*args)`` (static arguments bound), ``drafts``: it runs a block drafter's
+    forward, so it must hold the Pallas kernels when lowered for an accelerator (a sequential head's attention
+    is XLA's)."""
 
     name: str
     fn: Callable[..., Any]
@@ -302,11 +305,12 @@ def _key_spec(*lead: int) -> jax.ShapeDtypeStruct:
     return spec((*lead, *jax.random.key_data(jax.random.key(0)).shape), jnp.uint32)
 
 
-def build_programs(target: tgt.Target, drafter: Drafter, setup: Setup, mesh: Any = None,
+def build_programs(target: tgt.Target, drafter: Drafter | Proposer, setup: Setup, mesh: Any = None,
                    only: Sequence[str] | None = None) -> list[Program]:
     """Every program of ``generate``, ``speculative_generate`` (``verify="auto"``) and the serving engine
     for ``setup.batch`` rows, as ``Program``s over abstract arguments. ``only``: name prefixes to keep."""
-    proposer = DrafterProposer(drafter)
+    proposer = as_proposer(drafter)
+    kernels = isinstance(drafter, Drafter)  # (block drafters attend through the Pallas draft kernels)
     candidates = adaptive.candidate_lengths(proposer.block_limit)
     t_max = max(candidates)
     b, w = setup.batch, setup.prompt
@@ -365,7 +369,7 @@ def build_programs(target: tgt.Target, drafter: Drafter, setup: Setup, mesh: Any
         if want(name):
             fn = functools.partial(decoder.segment, verify_len=t, greedy=True, peek=peek)
             programs.append(Program(name, fn, (target, proposer, state, transcript, stop_ids, spec((), i32), policy),
-                                    drafts=peek or t > 1))
+                                    drafts=kernels and (peek or t > 1)))
 
     # The serving engine's step (``serve/engine.py::step``) at each length and as a peek, over R = batch slots
     # (its state: the same rows' state as above).
@@ -374,7 +378,7 @@ def build_programs(target: tgt.Target, drafter: Drafter, setup: Setup, mesh: Any
         if want(name):
             fn = functools.partial(engine.step, verify_len=t, max_rounds=ENGINE_ROUNDS, peek=peek)
             programs.append(Program(name, fn, (target, proposer, state, stop_ids, spec((), i32), policy),
-                                    drafts=peek or t > 1))
+                                    drafts=kernels and (peek or t > 1)))
     return programs
 
 
@@ -457,7 +461,7 @@ def lower_program(program: Program, platform: str, batch: int, mesh: Any = None)
     return row
 
 
-def lower_all(target: tgt.Target, drafter: Drafter, platforms: Sequence[str], batches: Sequence[int],
+def lower_all(target: tgt.Target, drafter: Drafter | Proposer, platforms: Sequence[str], batches: Sequence[int],
               setup: Setup, mesh: Any = None, cost: bool = True, only: Sequence[str] | None = None,
               log: Callable[[str], None] | None = None) -> list[Row]:
     """Rows for every program × platform × batch size (cost analysed once per program and batch)."""
@@ -561,8 +565,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> d
                      only=only, log=log)
     return {
         "target": args.target, "target_config": target.model_dir, "model_type": target.config.model_type,
-        "draft": args.draft, "block_size": drafter.config.block_size,
-        "verify_lengths": list(adaptive.candidate_lengths(DrafterProposer(drafter).block_limit)),
+        "draft": args.draft, "block_size": as_proposer(drafter).block_limit,
+        "verify_lengths": list(adaptive.candidate_lengths(as_proposer(drafter).block_limit)),
         "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "dp": args.dp,
         "context": args.context, "prompt": args.prompt, "engine_rounds_per_step": ENGINE_ROUNDS,
         "jax": jax.__version__, "cost_source": COST_SOURCE, "build_seconds": build_seconds,
