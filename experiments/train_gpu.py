@@ -28,8 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
 
+from dspine_jax.decoding.proposers import as_proposer  # noqa: E402
 from dspine_jax.decoding.speculative import speculative_generate  # noqa: E402
-from dspine_jax.drafters.io import load_drafter  # noqa: E402
+from dspine_jax.drafters.io import load_draft  # noqa: E402
 from dspine_jax.models.target import load_target  # noqa: E402
 from dspine_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from dspine_jax.train import __main__ as train_cli  # noqa: E402
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--corpus", type=Path, default=COMMITTED, help="corpus to start from (copied, never modified)")
-    ap.add_argument("--kind", choices=("dspine", "dflash"), default="dspine")
+    ap.add_argument("--kind", choices=train_cli.KINDS, default="dspine")
     ap.add_argument("--tokens", type=int, default=2_000_000, help="response tokens to reach (0: use the corpus as is)")
     ap.add_argument("--regen-batch", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -53,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--anchors", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=5, help="block kinds' layers (eagle3: 1; mtp: the target's one layer)")
+    ap.add_argument("--block-size", type=int, default=16, help="verify block (sequential kinds: block − 1 TTT steps)")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per domain")
     ap.add_argument("--eval-tokens", type=int, default=96)
@@ -81,9 +82,12 @@ def stage_train(args: argparse.Namespace, out: Path) -> dict:
     argv = [
         "--target", args.target, "--kind", args.kind, "--data", str(out / "corpus"), "--out", str(run),
         "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--anchors", str(args.anchors),
-        "--layers", str(args.layers), "--block-size", str(args.block_size), "--lr", str(args.lr),
-        "--max-len", str(args.max_len), "--export-dtype", "bfloat16", "--no-progress",
+        "--lr", str(args.lr), "--max-len", str(args.max_len), "--export-dtype", "bfloat16", "--no-progress",
     ]  # fmt: skip
+    if args.kind in train_cli.SEQUENTIAL_KINDS:  # a head drafting one token per step: block − 1 steps
+        argv += ["--ttt-steps", str(args.block_size - 1)] + (["--layers", "1"] if args.kind == "eagle3" else [])
+    else:
+        argv += ["--layers", str(args.layers), "--block-size", str(args.block_size)]
     if (run / "run.json").exists():
         argv.append("--resume")
     train_cli.main(argv)
@@ -92,7 +96,8 @@ def stage_train(args: argparse.Namespace, out: Path) -> dict:
 
 def stage_tau(args: argparse.Namespace, out: Path) -> dict:
     target = load_target(args.target)
-    drafter = load_drafter(out / "run" / "export", target)
+    drafter = load_draft(str(out / "run" / "export"), target)
+    block = as_proposer(drafter).block_limit
     held = load_heldout(out / "corpus")
     result: dict[str, dict[str, float]] = {}
     for temperature in (0.0, 1.0):
@@ -100,7 +105,7 @@ def stage_tau(args: argparse.Namespace, out: Path) -> dict:
         for domain in DOMAINS:
             prompts = [r["prompt_ids"] for r in held[domain][: args.eval_prompts]]
             res = speculative_generate(target, drafter, prompts, args.eval_tokens, temperature=temperature, seed=0,
-                                       verify=drafter.config.block_size)  # τ of the whole block
+                                       verify=block)  # τ of the whole block
             per[domain] = round(res.mean_acceptance, 4)
         result["greedy" if temperature == 0 else "T=1"] = per
     (out / "tau.json").write_text(json.dumps(result, indent=1) + "\n")

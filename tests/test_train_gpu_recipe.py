@@ -28,7 +28,8 @@ def _recipe():
 
 
 @pytest.mark.slow
-def test_recipe_regenerates_trains_and_measures_tau(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["dspine", "eagle3"])
+def test_recipe_regenerates_trains_and_measures_tau(tmp_path, monkeypatch, kind):
     monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path / "cache"))
     smollm2 = resolve_model_dir("smollm2-135m-instruct", cache_dir=Path.home() / ".cache" / "dspine_jax")
     target_dir, _ = make_tiny_hf_model("llama", tmp_path / "target", vocab_size=49152, max_position_embeddings=1024,
@@ -44,7 +45,8 @@ def test_recipe_regenerates_trains_and_measures_tau(tmp_path, monkeypatch):
     out = tmp_path / "run"
     argv = ["--out", str(out), "--target", str(target_dir), "--corpus", str(source), "--tokens", "24",
             "--regen-batch", "2", "--max-new-tokens", "12", "--max-len", "96", "--steps", "2", "--batch-size", "2",
-            "--anchors", "2", "--layers", "1", "--block-size", "4", "--eval-prompts", "1", "--eval-tokens", "6"]  # fmt: skip
+            "--anchors", "2", "--layers", "1", "--block-size", "4", "--eval-prompts", "1", "--eval-tokens", "6",
+            "--kind", kind]  # fmt: skip
     log = _recipe().main(argv)
 
     rows = load_sequences(out / "corpus")
@@ -52,7 +54,11 @@ def test_recipe_regenerates_trains_and_measures_tau(tmp_path, monkeypatch):
     assert not any(source.glob("shards/*")), "the source corpus is copied, never modified"
     assert (out / "run" / "export" / "model.safetensors").exists()
     config = json.loads((out / "run" / "export" / "config.json").read_text())
-    assert config["block_size"] == 4 and config["num_hidden_layers"] == 1
+    if kind == "eagle3":  # speculators' layout: 3 tokens drafted per round (verify 4)
+        assert config["speculators_model_type"] == "eagle3"
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    else:
+        assert config["block_size"] == 4 and config["num_hidden_layers"] == 1
     tau = json.loads((out / "tau.json").read_text())
     for mode in ("greedy", "T=1"):
         assert set(tau[mode]) == set(DOMAINS)
