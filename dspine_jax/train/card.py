@@ -53,6 +53,7 @@ def export_step(run: Path, step: int, dest: Path, dtype: str = "bfloat16") -> di
 KIND_LAYOUT = {"dspine": "SpecForge DSpine", "dflash": "z-lab DFlash", "dflash2": "z-lab DFlash2",
                "dspark": "vLLM speculators DSpark", "eagle3": "vLLM speculators EAGLE-3",
                "mtp": "vLLM speculators MTP"}  # fmt: skip
+SPECULATORS_KINDS = ("dspark", eagle3.KIND, mtp.KIND)  # kinds whose reference (and initialisation) is speculators'
 KIND_DESCRIPTION = {
     "dspine": "DSpine (adjacent causal injection + last-write refinement)",
     "dflash": "DFlash (bidirectional block)",
@@ -194,7 +195,7 @@ def write_card(run: Path, dest: Path, results: Path | None = None, data: Path | 
     elif args.get("init_from_target"):
         init_note = f"; layers initialised from the target's last {args['layers']}"
     else:
-        init_note = "; random init (SpecForge's)"
+        init_note = f"; random init ({'speculators' if kind in SPECULATORS_KINDS else 'SpecForge'}')"
     warmup_arg = args.get("alignment_warmup_steps")
     warmup_flag = f" --alignment-warmup-steps {warmup_arg}" if warmup_arg else ""
     block_option, shape_options = reproduce_shape(kind, args, shape, warmup_flag)
@@ -214,7 +215,7 @@ def write_card(run: Path, dest: Path, results: Path | None = None, data: Path | 
               else "PyPI corpora")
     card = f"""# SmolLM2-135M-Instruct {kind.upper()} drafter (block {block}) — trained with `dspine_jax.train`
 
-A {KIND_DESCRIPTION[kind]}
+{'An' if kind in (eagle3.KIND, mtp.KIND) else 'A'} {KIND_DESCRIPTION[kind]}
 drafter for **SmolLM2-135M-Instruct**, in the {KIND_LAYOUT[kind]} checkpoint layout
 (`config.json` + `model.safetensors`, bf16, {size_mb:.1f} MiB; `load_draft` casts to the target's dtype).
 {shares}
@@ -242,7 +243,7 @@ drafter for **SmolLM2-135M-Instruct**, in the {KIND_LAYOUT[kind]} checkpoint lay
 
 Reproduce: `python -m dspine_jax.train --target smollm2-135m-instruct --kind {kind} --data DATA --out RUN
 --steps {args['steps']} --batch-size {args['batch_size']} --anchors {args['anchors']} --lr {args['lr']} --max-len {args['max_len']}
-{f"--layers {args['layers']} " if args.get('layers') else ''}{block_option}{f" --target-layers {args['target_layers']}" if args.get('target_layers') else ''}{' --init-from-target' if args.get('init_from_target') else ''}{f" --init-from {args['init_from']}" if args.get('init_from') else ''}
+{f"--layers {args['layers']} " if args.get('layers') else ''}{block_option}{f" --target-layers {args['target_layers']}" if args.get('target_layers') else ''}{f" --draft-vocab {args['draft_vocab']}" if args.get('draft_vocab') else ''}{' --init-from-target' if args.get('init_from_target') else ''}{f" --init-from {args['init_from']}" if args.get('init_from') else ''}
 {shape_options}
 --loss-decay-gamma {gamma or 0:g}{mask_option} --export-dtype bfloat16{f" --stop-at {steps}" if steps < args['steps'] else ''}`
 (`--resume` continues a run exactly from its last orbax checkpoint).

@@ -14,7 +14,9 @@ Then, on the held-out split (greedy output checked equal to AR):
 * a drafted round's cost against a plain step, both measured in the same greedy runs at batch 1;
 * end-to-end decode tok/s with the default ``--verify auto`` against our AR, batch 1, interleaved, medians.
 
-Writes ``compare.json`` and ``compare.md`` beside this file (``--out``); trained drafters stay under ``--work``.
+Writes ``NAME.json`` and ``NAME.md`` (``--name``, default ``compare``) beside this file (``--out``); trained
+drafters stay under ``--work``. ``--kinds dspark-r128`` trains and measures a variant the same way (DSpark with a
+rank-128 Markov head: the shipped one, since rank 256 over SmolLM2's 49k vocabulary passes 60 MB).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ from dspine_jax.train.prompts import DOMAINS  # noqa: E402
 
 KINDS = ("dflash", "dflash2", "dspark", "dspine", "eagle3", "mtp")
 SEQUENTIAL = ("eagle3", "mtp")
+# Variants trained like their kind with one option changed: NAME → (kind, extra train flags).
+VARIANTS = {"dspark-r128": ("dspark", ["--markov-rank", "128"])}  # (rank 256's Markov table does not fit 60 MB)
 DRAFT_LEN = 7  # tokens drafted per round by every kind: verify 8
 TARGET = "smollm2-135m-instruct"
 CORPUS = ROOT / "experiments/data/smollm2-v2"
@@ -69,7 +73,7 @@ def subset_corpus(work: Path, per_domain: int) -> Path:
             chosen[domain].append(path)
     tmp = out.with_name(out.name + ".tmp")
     (tmp / "shards").mkdir(parents=True, exist_ok=True)
-    for name in (PLAN_FILE, "prompts_heldout.json"):
+    for name in (PLAN_FILE, "prompts_heldout.json", "manifest.json"):  # (the manifest checksums every shard)
         (tmp / name).symlink_to(CORPUS / name)
     for paths in chosen.values():
         for path in paths:
@@ -78,13 +82,14 @@ def subset_corpus(work: Path, per_domain: int) -> Path:
     return out
 
 
-def train_args(kind: str, data: Path, out: Path, args: argparse.Namespace) -> list[str]:
+def train_args(name: str, data: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    kind, extra = VARIANTS.get(name, (name, []))
     shape = ["--ttt-steps", str(DRAFT_LEN)] if kind in SEQUENTIAL else ["--block-size", str(DRAFT_LEN + 1)]
     vocab = [] if kind == "mtp" else ["--draft-vocab", str(args.draft_vocab)]  # an MTP head keeps the target's head
     return [sys.executable, "-m", "dspine_jax.train", "--target", TARGET, "--kind", kind, "--data", str(data),
             "--out", str(out), "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--anchors",
             str(args.anchors), "--lr", str(args.lr), "--seed", "0", "--checkpoint-every", "50", "--resume",
-            "--no-progress", *shape, *vocab]  # fmt: skip
+            "--no-progress", *shape, *vocab, *extra]  # fmt: skip
 
 
 def train(kind: str, data: Path, work: Path, args: argparse.Namespace) -> dict:
@@ -156,11 +161,11 @@ def evaluate(target, drafters: dict, held: dict, args: argparse.Namespace) -> di
     return result
 
 
-def write_report(results: dict, out: Path) -> None:
+def write_report(results: dict, path: Path) -> None:
     ev, budget = results["eval"], results["budget"]
     cols = [*DOMAINS, "all"]
     lines = [f"| kind | train min | s/step | {' | '.join(f'τ {d} T0' for d in cols)} | τ all T1 | round × step | "
-             f"{' | '.join(f'auto × AR {d}' for d in DOMAINS)} | == AR |", "|---" * (len(cols) + 7 + len(DOMAINS) - 4) + "|"]
+             f"{' | '.join(f'auto × AR {d}' for d in DOMAINS)} | == AR |", "|---" * (len(cols) + len(DOMAINS) + 6) + "|"]
     for kind in results["kinds"]:
         t0, t1 = ev["tau"][f"{kind}@T0"], ev["tau"][f"{kind}@T1"]
         seconds = results["train"][kind]["seconds"]
@@ -169,13 +174,30 @@ def write_report(results: dict, out: Path) -> None:
                      + f"{ev['round_ms'][kind] / ev['step_ms']:.2f} | "
                      + " | ".join(f"{ev['speed'][kind][d]:.2f}" for d in DOMAINS)
                      + f" | {'yes' if ev['greedy_exact'][kind] else 'NO'} |")  # fmt: skip
-    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def ship(names: list[str], results: dict, args: argparse.Namespace) -> None:
+    """Each trained drafter as ``checkpoints/smollm2-135m-KIND-b8`` (bf16, with its model card and the τ this
+    script measured, from ``NAME.json``)."""
+    from dspine_jax.train import card
+
+    measured = json.loads((args.out / f"{args.name}.json").read_text())["eval"]["tau"]
+    for name in names:
+        kind = VARIANTS.get(name, (name,))[0]
+        run = args.work / name
+        (run / f"wall_at_{args.steps}.json").write_text(json.dumps({"wall_seconds": results["train"][name]["seconds"]}))
+        tau = args.work / f"{name}_tau.json"
+        tau.write_text(json.dumps({"tau": {f"{kind}@{t}": measured[f"{name}@{t}"] for t in ("T0", "T1")}}))
+        dest = ROOT / "checkpoints" / f"smollm2-135m-{kind}-b{DRAFT_LEN + 1}"
+        card.write_card(run, dest, tau, step=args.steps)
+        print(f"shipped {name} → {dest}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"kinds, or variants: {', '.join(VARIANTS)}")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--anchors", type=int, default=16)
@@ -188,12 +210,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, default=default_data_dir() / "compare")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     ap.add_argument("--train-only", action="store_true")
+    ap.add_argument("--ship", help="comma-separated kinds (or variants) to write to checkpoints/ (after a measuring run)")
+    ap.add_argument("--name", default="compare", help="the results' file names (NAME.json, NAME.md)")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     enable_compilation_cache()
     data = subset_corpus(args.work, args.shards_per_domain)
     target = load_target(TARGET)
-    runs = [{"kind": k, "layers": 1 if k == "eagle3" else 5, "target_layers": None} for k in kinds]
+    runs = [{"kind": k, "layers": 1 if k == "eagle3" else 5, "target_layers": None}
+            for k in (VARIANTS.get(name, (name,))[0] for name in kinds)]
     union = tuple(sorted({t for run in runs for t in tapped_layers(target, run)}))
     print(f"corpus {data} ({len(shard_paths(data))} shards); one feature pass over taps {union}", flush=True)
     build_features(TARGET, data, union)
@@ -206,10 +231,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {results['train'][kind]['seconds'] / 60:.1f} min", flush=True)
     if args.train_only:
         return
+    if args.ship:
+        ship(args.ship.split(","), results, args)
+        return
     drafters = {kind: load_draft(str(args.work / kind / "export"), target) for kind in kinds}
     results["eval"] = evaluate(target, drafters, load_heldout(data), args)
-    (args.out / "compare.json").write_text(json.dumps(results, indent=2) + "\n")
-    write_report(results, args.out)
+    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_report(results, args.out / f"{args.name}.md")
 
 
 if __name__ == "__main__":
