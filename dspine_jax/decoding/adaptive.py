@@ -178,7 +178,12 @@ def acceptance(state: PolicyState) -> Array:
 def expected_tokens(state: PolicyState, lengths: tuple[int, ...], remaining: Array) -> Array:
     """``[B, L]``: tokens a round of each length is expected to commit per row (bonus included, at most the
     row's ``remaining`` budget)."""
-    survive = jnp.cumprod(acceptance(state), axis=1)  # [B, P] P(slots 1…k all accepted)
+    return tokens_of_lengths(jnp.cumprod(acceptance(state), axis=1), lengths, remaining)
+
+
+def tokens_of_lengths(survive: Array, lengths: tuple[int, ...], remaining: Array) -> Array:
+    """``[B, L]`` expected tokens of a round of each length, given ``survive [B, P]`` = P(slots 1…k all accepted):
+    the bonus plus the surviving proposals, at most the row's ``remaining`` budget."""
     cum = jnp.concatenate([jnp.zeros_like(survive[:, :1]), jnp.cumsum(survive, axis=1)], axis=1)  # [B, P+1]
     t = jnp.asarray(lengths, jnp.int32)[None, :]  # [1, L]
     usable = jnp.clip(jnp.minimum(t, remaining[:, None]), 1, cum.shape[1])  # tokens the row can still take
@@ -223,16 +228,11 @@ def confidence_cut(policy: VerifyPolicy, lengths: tuple[int, ...], confidence: A
     slots past ``lengths[j]`` are extrapolated with the last known confidence."""
     c = jnp.clip(confidence.astype(jnp.float32), 0.0, 1.0)
     survive = jnp.cumprod(c, axis=1)  # [B, P] the drafter's P(slots 1…k all accepted)
-    cum = jnp.concatenate([jnp.zeros_like(survive[:, :1]), jnp.cumsum(survive, axis=1)], axis=1)  # [B, P+1]
+    known = tokens_of_lengths(survive, lengths, remaining)  # [B, L] (each column reads slots below its length)
     cost = lambda t: policy.costs[policy.lengths.index(t)]  # noqa: E731
-
-    def tokens(upto: Array) -> Array:  # [B] expected tokens of verifying slots 1…upto-1 (bonus included)
-        return 1.0 + jnp.take_along_axis(cum, jnp.clip(jnp.minimum(upto, remaining), 1, cum.shape[1])[:, None] - 1,
-                                         axis=1)[:, 0]  # fmt: skip
-
     index, going = jnp.int32(0), jnp.bool_(True)
     for j, (short, long) in enumerate(zip(lengths, lengths[1:])):
-        here = tokens(jnp.full_like(remaining, short))
+        here = known[:, j]
         last, base = c[:, short - 1], survive[:, short - 1]  # slot `short`: its proposal's predecessor is kept
         steps = jnp.arange(long - short)[None, :]  # slots short … long-1, those within the row's budget
         usable = steps < (remaining - short)[:, None]

@@ -34,6 +34,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from run import tau_per_domain  # noqa: E402  (this directory's τ study: the same per-domain τ)
+
 from dspine_jax.decoding.autoregressive import generate  # noqa: E402
 from dspine_jax.decoding.planning import enable_compilation_cache  # noqa: E402
 from dspine_jax.decoding.speculative import speculative_generate  # noqa: E402
@@ -110,14 +112,6 @@ def train(kind: str, data: Path, work: Path, args: argparse.Namespace) -> dict:
     return record
 
 
-def tau_per_domain(acceptance: list[list[int]], row_domain: list[str]) -> dict[str, float]:
-    out = {}
-    for d in [*dict.fromkeys(row_domain), "all"]:
-        rows = [i for i, rd in enumerate(row_domain) if d in ("all", rd)]
-        out[d] = sum(sum(acceptance[i]) for i in rows) / max(1, sum(len(acceptance[i]) for i in rows))
-    return out
-
-
 def evaluate(target, drafters: dict, held: dict, args: argparse.Namespace) -> dict:
     prompts = [r["prompt_ids"] for d in DOMAINS for r in held[d][: args.prompts]]
     row_domain = [d for d in DOMAINS for _ in held[d][: args.prompts]]
@@ -127,7 +121,7 @@ def evaluate(target, drafters: dict, held: dict, args: argparse.Namespace) -> di
     for kind, draft in drafters.items():
         for temp in (0.0, 1.0):
             res = speculative_generate(target, draft, prompts, n, temperature=temp, seed=0, verify=DRAFT_LEN + 1)
-            result["tau"][f"{kind}@T{temp:g}"] = tau_per_domain(res.acceptance_lengths, row_domain)
+            result["tau"][f"{kind}@T{temp:g}"] = tau_per_domain(res, row_domain, list(DOMAINS))
             if temp == 0:
                 result["greedy_exact"][kind] = res.token_ids == ar.token_ids
         print(kind, result["tau"][f"{kind}@T0"], result["greedy_exact"][kind], flush=True)
