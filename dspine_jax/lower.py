@@ -58,8 +58,8 @@ from safetensors import safe_open
 from dspine_jax.decoding import adaptive, decoder, speculative
 from dspine_jax.decoding import round as rnd
 from dspine_jax.decoding.proposers import NoProposer, Proposer, as_proposer
-from dspine_jax.drafters import eagle3, mtp, speculators_format
 from dspine_jax.drafters import io as drafter_io
+from dspine_jax.drafters import speculators_format
 from dspine_jax.drafters.config import drafter_kinds
 from dspine_jax.drafters.params import Drafter
 from dspine_jax.models import dense, hub, hybrid, presets, weights
@@ -216,7 +216,6 @@ def _has_weights(model_dir: Path) -> bool:
     return (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file()
 
 
-SEQUENTIAL_KINDS = (eagle3.KIND, mtp.KIND)  # heads that draft one token per step: proposers, not ``Drafter``s
 _INIT_SHORT = re.compile(r"^init:([A-Za-z0-9_]+)-b(\d+)$")
 
 
@@ -225,7 +224,7 @@ def normalise_draft(text: str) -> str:
     m = _INIT_SHORT.match(text)
     if m is None:
         return text
-    kinds = (*drafter_kinds(), *SEQUENTIAL_KINDS)
+    kinds = (*drafter_kinds(), *drafter_io.SEQUENTIAL_KINDS)
     if m.group(1) not in kinds or int(m.group(2)) < 2:
         raise ValueError(f"{text!r}: expected init:KIND-bBLOCK with KIND one of {', '.join(kinds)} and BLOCK >= 2")
     return f"init:{m.group(1)}:{m.group(2)}"
@@ -236,7 +235,7 @@ def abstract_drafter(draft: str, target: tgt.Target) -> Drafter | Proposer:
     ``target``: ``init:…`` and ``self:mtp`` run the initialiser or loader under ``jax.eval_shape``; a block
     drafter's checkpoint (dir or hub id) its loader over the safetensors headers."""
     text = normalise_draft(draft)
-    if text.startswith(("init:", "self:")) or speculators_format.spec_model_type(text) in SEQUENTIAL_KINDS:
+    if text.startswith(("init:", "self:")) or speculators_format.spec_model_type(text) in drafter_io.SEQUENTIAL_KINDS:
         return jax.eval_shape(lambda t: drafter_io.load_draft(text, t), target)
     model_dir = Path(hub.resolve_drafter_dir(text))
     config = drafter_io.load_drafter_config(model_dir)

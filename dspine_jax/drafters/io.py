@@ -473,6 +473,9 @@ def _parse_init_draft(text: str) -> tuple[str, int] | None:
     return parts[1], int(block)
 
 
+SEQUENTIAL_KINDS = (eagle3.KIND, mtp.KIND)  # heads drafting one token per step (eagle3.SequentialHead): proposers
+
+
 def draft_block_size(spec: str | os.PathLike) -> int:
     """The longest verify block a ``--draft`` value stands for (a checkpoint's block size, one more for a DSpark
     drafter that samples from its anchor; ``init:KIND:BLOCK``'s BLOCK), checked without loading any weights (the

@@ -34,7 +34,8 @@ from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import eagle3, mtp
 from dspine_jax.drafters.config import build_target_layer_ids, load_drafter_config
 from dspine_jax.drafters.dspark import MARKOV_HEAD_TYPES
-from dspine_jax.drafters.io import (
+from dspine_jax.drafters.io import (  # noqa: F401  (SEQUENTIAL_KINDS: train_gpu.py reads it here)
+    SEQUENTIAL_KINDS,
     cast_drafter,
     copy_target_layers,
     default_mask_token_id,
@@ -52,7 +53,6 @@ from dspine_jax.train.vocab import data_draft_vocab
 # Runs recorded before --loss-decay-gamma existed trained both kinds with γ = 7.
 LEGACY_GAMMA = 7.0
 BLOCK_KINDS = ("dspine", "dflash", "dflash2", "dspark")
-SEQUENTIAL_KINDS = (eagle3.KIND, mtp.KIND)  # heads drafting one token per step (eagle3.SequentialHead)
 KINDS = (*BLOCK_KINDS, *SEQUENTIAL_KINDS)
 # Kind-specific options and the kinds that take them; given for another kind they are an error. (DFlash and
 # DFlash2 have always accepted DSpine's, and ignore them.)

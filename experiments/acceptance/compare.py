@@ -39,7 +39,7 @@ from run import tau_per_domain  # noqa: E402  (this directory's τ study: the sa
 from dspine_jax.decoding.autoregressive import generate  # noqa: E402
 from dspine_jax.decoding.planning import enable_compilation_cache  # noqa: E402
 from dspine_jax.decoding.speculative import speculative_generate  # noqa: E402
-from dspine_jax.drafters.io import load_draft  # noqa: E402
+from dspine_jax.drafters.io import SEQUENTIAL_KINDS, load_draft  # noqa: E402
 from dspine_jax.models.target import load_target  # noqa: E402
 from dspine_jax.train.__main__ import tapped_layers  # noqa: E402
 from dspine_jax.train.data import (  # noqa: E402
@@ -54,7 +54,6 @@ from dspine_jax.train.data import (  # noqa: E402
 from dspine_jax.train.prompts import DOMAINS  # noqa: E402
 
 KINDS = ("dflash", "dflash2", "dspark", "dspine", "eagle3", "mtp")
-SEQUENTIAL = ("eagle3", "mtp")
 # Variants trained like their kind with one option changed: NAME → (kind, extra train flags).
 VARIANTS = {"dspark-r128": ("dspark", ["--markov-rank", "128"])}  # (rank 256's Markov table does not fit 60 MB)
 DRAFT_LEN = 7  # tokens drafted per round by every kind: verify 8
@@ -86,7 +85,7 @@ def subset_corpus(work: Path, per_domain: int) -> Path:
 
 def train_args(name: str, data: Path, out: Path, args: argparse.Namespace) -> list[str]:
     kind, extra = VARIANTS.get(name, (name, []))
-    shape = ["--ttt-steps", str(DRAFT_LEN)] if kind in SEQUENTIAL else ["--block-size", str(DRAFT_LEN + 1)]
+    shape = ["--ttt-steps", str(DRAFT_LEN)] if kind in SEQUENTIAL_KINDS else ["--block-size", str(DRAFT_LEN + 1)]
     vocab = [] if kind == "mtp" else ["--draft-vocab", str(args.draft_vocab)]  # an MTP head keeps the target's head
     return [sys.executable, "-m", "dspine_jax.train", "--target", TARGET, "--kind", kind, "--data", str(data),
             "--out", str(out), "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--anchors",
