@@ -7,6 +7,7 @@ test_speculative_sampling.py (lossless sampling with the length changing every r
 from __future__ import annotations
 
 import json
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,7 +95,7 @@ def test_carried_prior_pools_the_rows_that_drafted():
     np.testing.assert_allclose(np.asarray(prior.tries), np.array([6.0, 3.0, 0.0]) * scale, rtol=1e-6)
     assert int(prior.wait) == 8  # the shortest wait of the rows that drafted, not row 2's fresh 4
     only_row_1 = adaptive.carried(state, jnp.array([False, True, False]))
-    assert int(only_row_1.wait) == adaptive.CARRY_MAX_WAIT  # 32, capped
+    assert int(only_row_1.wait) == 32  # (wait_cap bounds it where probes are cheap)
     np.testing.assert_allclose(np.asarray(only_row_1.tries), [2.0, 1.0, 0.0])  # already within the weight
     nothing = adaptive.carried(state, jnp.array([False, False, True]))
     assert float(jnp.sum(nothing.tries)) == 0.0 and int(nothing.wait) == adaptive.FIRST_WAIT
@@ -139,9 +140,10 @@ def test_cost_estimate_explores_the_neighbours_of_the_choice():
     assert estimate.explore(4) == 8  # 2 was timed enough; 8 has not been
     # What the cache keeps: refined costs where this run timed, unscaled priors elsewhere, the counts.
     costs, segments = estimate.measured()
-    assert costs[8] == 2.0 and costs[4] == pytest.approx(1.35) and costs[1] == 1.0
+    # (EXPLORE_SAMPLES > PRIOR_SAMPLES: the explored samples outvote the prior's copies in the median)
+    assert costs[8] == 2.0 and costs[4] == pytest.approx(1.2) and costs[1] == 1.0
     assert segments == {1: 0, 2: 5, 4: adaptive.EXPLORE_SAMPLES, 8: 0}
-    assert estimate.current()[8] == pytest.approx(2.0 * 1.35 / 1.5)  # (the policy's guess is scaled)
+    assert estimate.current()[8] == pytest.approx(2.0 * 1.2 / 1.5)  # (the policy's guess is scaled)
 
 
 def test_calibration_keeps_the_fastest_repeat():
@@ -174,6 +176,16 @@ def test_cost_cache_round_trip_with_segments(tmp_path, monkeypatch):
     # A day-old calibration, or one written before entries were dated, is measured again.
     assert adaptive.load_cost_entry("k", now=calibrated + adaptive.COSTS_MAX_AGE - 1) is not None
     assert adaptive.load_cost_entry("k", now=calibrated + adaptive.COSTS_MAX_AGE + 1) is None
+    # A length last timed more than REFRESH_AGE ago counts no segments (it is explored again); one timed since
+    # keeps its count.
+    adaptive.store_costs("k", {1: 1.1, 2: 1.4}, {1: 6, 2: 8}, timed=[1])
+    stamps = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())["k"]["timed_at"]
+    later = stamps["2"] + adaptive.REFRESH_AGE + 1
+    stamps["1"] = later - 1  # T = 1 timed a second before `later`
+    table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
+    table["k"]["timed_at"] = stamps
+    (tmp_path / adaptive.COSTS_FILE).write_text(json.dumps(table))
+    assert adaptive.load_cost_entry("k", now=later) == ({1: 1.1, 2: 1.4}, {1: 6, 2: 0})
     (tmp_path / adaptive.COSTS_FILE).write_text(json.dumps({"old": {"1": 1.0, "4": 2.0}}))  # undated
     assert adaptive.load_cost_entry("old") is None
     assert adaptive.load_cost_entry("missing") is None
@@ -288,3 +300,30 @@ def test_a_run_starts_from_what_the_last_run_of_its_drafter_measured(llama):
     assert always[0][0] < 16 and always[1][0] == 16, (always[0][:8], always[1][:8])
     # Another drafter (here: the same oracle class with other weights) does not inherit it.
     assert run_oracle(target, reference, [98] * 64, costs=costs)[0] == always[0][0]
+
+
+def test_the_probe_wait_is_capped_by_what_a_probe_costs():
+    """Spread over the plain rounds before it, a probe's extra cost (at most a round of PROBE_LENGTH over a plain
+    one) stays within PROBE_BUDGET: cheap probes come every few rounds whatever the doubled wait says, dear ones
+    as rarely as MAX_WAIT."""
+    cheap = adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 1.15, 4: 1.3})
+    assert int(adaptive.wait_cap(cheap)) == math.ceil(0.15 / adaptive.PROBE_BUDGET - 1e-9)  # 10
+    assert int(adaptive.wait_cap(adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 3.0, 4: 3.5}))) == adaptive.MAX_WAIT
+    assert int(adaptive.wait_cap(adaptive.make_policy((1, 2), {1: 1.0, 2: 1.0}))) == adaptive.FIRST_WAIT
+    state = adaptive.init_state(1, 4).replace(wait=jnp.array([adaptive.MAX_WAIT]), idle=jnp.array([10]))
+    running, remaining = jnp.array([True]), jnp.array([50])
+    dear = adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 1.9, 4: 2.2})
+    never = state.replace(tries=jnp.full((1, 3), 8.0))  # eight misses per slot: T = 1 pays best
+    assert bool(adaptive.choose(cheap, never, running, remaining, 0)[1])  # 10 rounds ≥ the cap: a probe is due
+    assert not bool(adaptive.choose(dear, never, running, remaining, 0)[1])  # a dear probe waits its 64
+
+
+def test_a_drafter_that_starts_right_late_is_found_within_the_cap(llama):
+    """Nothing accepted for 40 rounds (the waits double to MAX_WAIT), then everything: with probes that cost
+    15 % of a plain round the policy finds it within the cap (10 rounds) and a decision, where doubling alone
+    would next look ~64 rounds later."""
+    target, reference = llama
+    cheap = {1: 1.0, 2: 1.15, 4: 1.3, 8: 1.6, 16: 2.4}
+    lengths = run_oracle(target, reference, [0] * 40 + [99] * 24, costs=cheap)
+    drafted = [r for r in range(40, len(lengths)) if lengths[r] > 1]
+    assert drafted and drafted[0] <= 40 + 10 + 2 * DECIDE_EVERY, lengths

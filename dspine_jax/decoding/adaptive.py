@@ -20,14 +20,17 @@ Two parts, both small:
   ``E(T) = 1 + Σ_{k<T} Π_{i≤k} a_i`` (capped by the row's remaining budget). The batch shares one ``T``:
   ``argmax_T Σ_running E_b(T) / cost(T)``. ``T = 1`` stops drafting; after ``wait`` such rounds a
   **probe** (one round at ``PROBE_LENGTH``) refreshes the estimates, and every probe that brings no
-  accepted token doubles the row's wait (up to ``MAX_WAIT``), so a useless drafter costs almost nothing.
+  accepted token doubles the row's wait, so a useless drafter costs almost nothing. The wait is capped by
+  what a probe costs (``wait_cap``): probes stay within ``PROBE_BUDGET`` of the plain rounds between them, so a
+  cheap drafter that is right half the time is probed every ~20 rounds, not once a request after two unlucky
+  misses (seen: a drafter at τ 1.9 on a text never drafted on it, its two probes having missed).
   Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``round.speculative_round(peek=True)``):
   a plain round plus a one-token draft, recorded as the round at ``PROBE_LENGTH`` it stands for, so a
   probe costs a draft rather than a wider verify.
 * **Carried prior** (``Prior``): a request does not start from the coin flip when earlier requests of the
   process ran the same target and drafter: its rows start from what those requests' rows measured (``carried``:
-  their pooled counts, scaled to ``CARRY_WEIGHT`` observations, and their shortest probe wait, capped at
-  ``CARRY_MAX_WAIT``). A drafter that brought nothing on the last requests starts the next one with plain
+  their pooled counts, scaled to ``CARRY_WEIGHT`` observations, and their shortest probe wait, which
+  ``wait_cap`` bounds where probes are cheap). A drafter that brought nothing on the last requests starts the next one with plain
   rounds and a long wait instead of drafting on a guess; one that paid starts drafting at once. The prior
   decays by itself: each request's own rounds outweigh it within a few drafted rounds, and what it passes on
   is its own statistics. ``speculative_generate`` keeps one per (device, target, drafter) in the process
@@ -63,10 +66,12 @@ DECAY = 0.8  # per drafted round: the estimates follow the last ~5 rounds
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a prior is worth one observation
 PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round
 FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
+PROBE_BUDGET = 0.015  # a probe's extra cost over a plain round, spread over the plain rounds before it (wait_cap)
 CARRY_WEIGHT = 2.0  # a prior carried from earlier requests counts as this many observations of the first slot
-CARRY_MAX_WAIT = 16  # a carried wait is capped here: a drafter that failed on the last text gets a peek soon on this one
 PRIOR_SAMPLES, RECENT = 3, 32  # a measured (or cached) cost counts as 3 timed segments; the last 32 count
-EXPLORE_SAMPLES = 3  # timed segments (over runs) a drafted length needs before only the policy picks it
+EXPLORE_SAMPLES = PRIOR_SAMPLES + 1  # timed segments (over runs) a drafted length needs before only the policy
+# picks it: more than its prior counts, so that what exploring measured outvotes the prior in the median
+REFRESH_AGE = 3600  # seconds: a length's segments older than this no longer count, so it is explored again
 COSTS_FILE = "verify_costs.json"
 COSTS_MAX_AGE = 24 * 3600  # seconds: a calibration older than this is measured again (a machine's day changes its costs)
 
@@ -153,14 +158,16 @@ def init_state(batch: int, max_length: int, prior: Prior | None = None) -> Polic
 def carried(state: PolicyState, rows: Array) -> Prior:
     """What ``rows [B]`` (bool) of ``state`` pass on to the next request: their per-slot counts pooled and
     scaled so the first slot counts at most ``CARRY_WEIGHT`` observations (the estimates keep their ratios,
-    the next request's own rounds soon outweigh them), and their shortest wait (capped at ``CARRY_MAX_WAIT``).
-    Rows that never drafted add nothing; with none, the coin flip (``init_state``'s default)."""
+    the next request's own rounds soon outweigh them), and their shortest wait (a drafter whose probes cost
+    little is probed again within ``wait_cap`` rounds whatever it carried: one that failed on the last text gets
+    a probe soon on this one). Rows that never drafted add nothing; with none, the coin flip (``init_state``'s
+    default)."""
     seen = rows & (state.tries[:, 0] > 0)
     hits = jnp.sum(jnp.where(seen[:, None], state.hits, 0.0), axis=0)
     tries = jnp.sum(jnp.where(seen[:, None], state.tries, 0.0), axis=0)
     scale = jnp.where(tries[0] > 0, jnp.minimum(1.0, CARRY_WEIGHT / jnp.maximum(tries[0], 1e-9)), 0.0)
-    wait = jnp.min(jnp.where(seen, state.wait, CARRY_MAX_WAIT))
-    return Prior(hits * scale, tries * scale, jnp.clip(jnp.where(jnp.any(seen), wait, FIRST_WAIT), FIRST_WAIT, CARRY_MAX_WAIT))
+    wait = jnp.min(jnp.where(seen, state.wait, MAX_WAIT))
+    return Prior(hits * scale, tries * scale, jnp.clip(jnp.where(jnp.any(seen), wait, FIRST_WAIT), FIRST_WAIT, MAX_WAIT))
 
 
 def acceptance(state: PolicyState) -> Array:
@@ -199,7 +206,7 @@ def choose(
     best = jnp.argmax(gain / policy.costs).astype(jnp.int32)
     lengths = jnp.asarray(policy.lengths, jnp.int32)
     probe_index = max(i for i, t in enumerate(policy.lengths) if t <= max(PROBE_LENGTH, policy.lengths[0]))
-    due = (lengths[best] == 1) & jnp.any(running & (state.idle >= state.wait))
+    due = (lengths[best] == 1) & jnp.any(running & (state.idle >= waits(policy, state)))
     # Drafting on the prior alone (nothing observed yet) is a probe too: one round, then decide on data.
     # (Starting such a request with a peek instead lost 6 points on code in policy_sim.py: a good drafter
     # reaches its long blocks a decision later.)
@@ -207,6 +214,23 @@ def choose(
     best = jnp.where(due, probe_index, best)
     pinned = policy.schedule[round_index % SCHEDULE_WIDTH]
     return jnp.where(pinned >= 0, pinned, best), (due | unseen) & (pinned < 0)
+
+
+def wait_cap(policy: VerifyPolicy) -> Array:
+    """The longest wait between two probes (int32 scalar): a probe costs at most a round at ``PROBE_LENGTH``
+    more than a plain round (a peek costs less: the same draft, no wider verify), and that extra, spread over
+    the plain rounds before the probe, stays within ``PROBE_BUDGET`` of their cost — a cheap drafter is probed
+    every few rounds, a dear one as rarely as ``MAX_WAIT``."""
+    if 1 not in policy.lengths or PROBE_LENGTH not in policy.lengths:
+        return jnp.int32(MAX_WAIT)
+    costs = policy.costs
+    extra = costs[policy.lengths.index(PROBE_LENGTH)] / costs[policy.lengths.index(1)] - 1.0
+    return jnp.clip(jnp.ceil(extra / PROBE_BUDGET), FIRST_WAIT, MAX_WAIT).astype(jnp.int32)
+
+
+def waits(policy: VerifyPolicy, state: PolicyState) -> Array:
+    """``[B]`` plain rounds each row waits before its next probe: its doubled wait, at most ``wait_cap``."""
+    return jnp.minimum(state.wait, wait_cap(policy))
 
 
 def cut_lengths(policy: VerifyPolicy, verify_len: int) -> tuple[int, ...]:
@@ -318,7 +342,9 @@ def load_cost_entry(key: str, now: float | None = None) -> tuple[dict[int, float
     """The cached ``({T: seconds}, {T: timed segments behind it})`` for ``key``, or None — also when its
     calibration is older than ``COSTS_MAX_AGE`` or undated: a length priced too dear is never run, so nothing
     else would ever correct it (seen: a day-old entry pricing every drafted round at 2.2× a plain step kept a
-    drafter that pays from drafting at all)."""
+    drafter that pays from drafting at all). A length last timed more than ``REFRESH_AGE`` ago counts no
+    segments, so ``CostEstimate.explore`` times it again when it neighbours the choice (seen: T = 8 priced at
+    2.3–2.5× a plain step by a calibration 13 hours old and never run since, T = 4 being chosen instead)."""
     try:
         with open(_costs_path()) as f:
             entry = json.load(f).get(key)
@@ -329,17 +355,21 @@ def load_cost_entry(key: str, now: float | None = None) -> tuple[dict[int, float
     age = (time.time() if now is None else now) - entry.get("measured_at", -math.inf)  # undated: infinitely old
     if age > COSTS_MAX_AGE:
         return None
-    counts = entry.get("segments", {})
+    counts, timed_at = entry.get("segments", {}), entry.get("timed_at", {})
     costs = {int(t): float(s) for t, s in entry.items() if t.isdigit()}
-    return costs, {t: int(counts.get(str(t), 0)) for t in costs}
+    now = time.time() if now is None else now
+    fresh = {t: now - timed_at.get(str(t), entry["measured_at"]) <= REFRESH_AGE for t in costs}
+    return costs, {t: int(counts.get(str(t), 0)) if fresh[t] else 0 for t in costs}
 
 
 def store_costs(
-    key: str, costs: Mapping[int, float], segments: Mapping[int, int] | None = None, *, measured_at: float | None = None
+    key: str, costs: Mapping[int, float], segments: Mapping[int, int] | None = None, *, measured_at: float | None = None,
+    timed: Sequence[int] | None = None,
 ) -> None:
     """Add ``costs`` (and how many timed segments each rests on) under ``key`` (written atomically:
     concurrent runs never leave a torn file). ``measured_at``: when they were calibrated (None: a refinement,
-    which keeps the entry's calibration time, or now for a new entry)."""
+    which keeps the entry's calibration time, or now for a new entry). ``timed``: the lengths timed just now
+    (None: all); the others keep the time they were last timed."""
     path = _costs_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
@@ -347,12 +377,15 @@ def store_costs(
             table = json.load(f)
     except (OSError, ValueError):
         table = {}
+    now, old = time.time(), table.get(key, {})
     if measured_at is None:
-        measured_at = table.get(key, {}).get("measured_at", time.time())
+        measured_at = old.get("measured_at", now)
     entry: dict = {str(t): float(s) for t, s in sorted(costs.items())}
     if segments:
         entry["segments"] = {str(t): int(n) for t, n in sorted(segments.items())}
     entry["measured_at"] = float(measured_at)
+    timed_at = {**old.get("timed_at", {}), **{str(t): now for t in (costs if timed is None else timed)}}
+    entry["timed_at"] = {str(t): float(timed_at.get(str(t), measured_at)) for t in sorted(costs)}
     table[key] = entry
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -394,7 +427,9 @@ class CostEstimate:
         """The length to run instead of the policy's ``chosen``: while drafting pays (``chosen`` > 1), the
         next shorter and the next longer drafted candidate, in that order, until each has been timed over
         ``EXPLORE_SAMPLES`` segments; else ``chosen``. Expected tokens per second are near unimodal in ``T``,
-        so timing the neighbours of the choice is enough to walk off a wrong prior."""
+        so timing the neighbours of the choice is enough to walk off a wrong prior. (Not the plain step: timed
+        in short segments between drafted ones it measured 1.1–1.7× its cost — each switch of program costs time
+        — and priced that dear it made every drafted length look cheap.)"""
         if chosen <= 1 or chosen not in self.prior:
             return chosen
         drafted = sorted(t for t in self.prior if t > 1)
@@ -410,10 +445,13 @@ class CostEstimate:
         scale = float(np.median(ratios)) if ratios else 1.0
         return {t: refined[t] if self.samples[t] else p * scale for t, p in self.prior.items()}
 
+    def ran(self) -> list[int]:
+        """The lengths this run timed (their cache entries are fresh again)."""
+        return [t for t in self.prior if self.samples[t]]
+
     def measured(self) -> tuple[dict[int, float], dict[int, int]]:
         """What the cache keeps for the next run: each length's refined cost where this run timed it, else
         its prior unscaled (a guess is not written back as a measurement), and the segments behind each."""
         refined = self.current()
         costs = {t: refined[t] if self.samples[t] else p for t, p in self.prior.items()}
         return costs, {t: self.timed(t) for t in self.prior}
-

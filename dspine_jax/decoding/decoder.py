@@ -142,7 +142,7 @@ def segment(
                                       greedy=greedy, peek=peek, track=track, cut=policy if track else None)  # fmt: skip
     running, stats = state.running, state.stats
     index, probe = adaptive.choose(policy, stats, running, state.remaining, transcript.iterations)
-    until_probe = jnp.min(jnp.where(running, stats.wait - stats.idle, adaptive.MAX_WAIT))
+    until_probe = jnp.min(jnp.where(running, adaptive.waits(policy, stats) - stats.idle, adaptive.MAX_WAIT))
     return state, transcript, Choice(index, probe, jnp.maximum(until_probe, 1), jnp.any(running))
 
 
@@ -405,10 +405,12 @@ class Decoder:
         if entry.next is None:  # the first choice of a run: made here, on the rows as they are
             index, probe = adaptive.choose(policy, stats, running, remaining, 0)
             entry.next = (policy.lengths[int(index)], bool(probe), self.every)
-        t, probe, until_probe = entry.next
+        chosen, probe, until_probe = entry.next
+        t = chosen
         if entry.key is not None and self.schedule is None and not probe:
-            t = entry.estimate.explore(t)  # measured costs are corrected only by running a length
-        rounds = 1 if probe else until_probe if t == 1 and self.schedule is None else self.every
+            t = entry.estimate.explore(chosen)  # measured costs are corrected only by running a length
+        # Plain rounds the policy chose run until a probe is due; explored ones a whole segment (timed).
+        rounds = 1 if probe else until_probe if chosen == 1 and self.schedule is None else self.every
         peek = adaptive.peeks(t, probe, greedy and self.schedule is None)
         return Plan(1 if peek else t, min(cap, rounds), peek, policy, True, False)
 
@@ -423,7 +425,10 @@ class Decoder:
             entry.next = None
             return
         alive = choice is not None and bool(choice.alive)
-        if alive and entry.key is not None and not plan.peek:  # a peek's time is neither length's
+        # Only whole segments refine the costs: a shorter one (a probe, plain rounds until a probe is due) carries
+        # a segment's dispatch and read-back over fewer rounds (seen: a cache refined mostly by one-round probes
+        # pricing T = 2 at 1.6× a plain step); a peek's time is neither length's.
+        if alive and entry.key is not None and not plan.peek and rounds >= self.every:
             entry.estimate.observe(plan.length, seconds, rounds)
         if choice is None or not alive:
             entry.next = None
@@ -457,5 +462,5 @@ class Decoder:
         """Keep what decoding measured in the cost cache, for the next run."""
         for entry in self._buckets.values():
             if entry.key is not None and entry.estimate is not None:
-                adaptive.store_costs(entry.key, *entry.estimate.measured())
+                adaptive.store_costs(entry.key, *entry.estimate.measured(), timed=entry.estimate.ran())
 

@@ -61,8 +61,8 @@ def main() -> None:
     p = drafter.config.block_size
     block = dr.block_tokens(drafter, anchor)
     fwd_fn = jax.jit(lambda d, t, c, b: dr.forward(d, t, c, b))
-    rows[f"drafter block forward ({p} positions)"] = timed(fwd_fn, drafter, target, state, block)
-    fwd = fwd_fn(drafter, target, state, block)
+    rows[f"drafter block forward ({p} positions)"] = timed(fwd_fn, drafter, target, state.ring, block)
+    fwd = fwd_fn(drafter, target, state.ring, block)
     logits_fn = jax.jit(lambda d, t, h: dr.unary_logits(d, t, h))
     rows[f"unary logits [{p - 1}, {drafter.config.draft_vocab_size or target.config.vocab_size}]"] = timed(
         logits_fn, drafter, target, fwd.hidden[:, 1:])
@@ -80,8 +80,11 @@ def main() -> None:
             jax.jit(lambda pr, t, s, a, k: pr.propose(t, s, a, jnp.ones((1,), jnp.int32), k, sampling, num)),
             proposer, target, state, anchor, keys)
     tapped = jnp.zeros((len(proposer.taps), 1, 8, target.config.hidden_size), jnp.float32)
-    rows["context append (8 tokens)"] = timed(
-        jax.jit(lambda pr, t, s, x: pr.commit(t, s, None, x, jnp.asarray([8]))), proposer, target, state, tapped)
+    rows["context append (8 tokens: commit + flush)"] = timed(
+        jax.jit(lambda pr, t, s, x: pr.flush(t, pr.commit(t, s, None, x, jnp.asarray([8])))), proposer, target, state, tapped)
+    for t, num in ((2, 1), (4, 3), (8, 7)):  # what a drafted round adds up to (its pieces timed apart)
+        rows[f"drafted round T={t} (verify + {num} proposals)"] = (
+            rows[f"target verify T={t} (+ logits, argmax)"] + rows[f"whole draft, {num} proposals"])
     base = rows["target verify T=1 (+ logits, argmax)"]
     print(f"{jax.devices()[0].device_kind}; products {args.products}; context {n}; ms (median of 30) and × a plain step")
     for name, ms in rows.items():
