@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))  # runnable from a checkout without installing
 
 from dspine_jax.decoding.proposers import as_proposer  # noqa: E402
 from dspine_jax.decoding.speculative import speculative_generate  # noqa: E402
-from dspine_jax.drafters.io import load_draft  # noqa: E402
+from dspine_jax.drafters.io import SEQUENTIAL_KINDS, load_draft  # noqa: E402
 from dspine_jax.models.target import load_target  # noqa: E402
 from dspine_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from dspine_jax.train import __main__ as train_cli  # noqa: E402
@@ -84,7 +84,7 @@ def stage_train(args: argparse.Namespace, out: Path) -> dict:
         "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--anchors", str(args.anchors),
         "--lr", str(args.lr), "--max-len", str(args.max_len), "--export-dtype", "bfloat16", "--no-progress",
     ]  # fmt: skip
-    if args.kind in train_cli.SEQUENTIAL_KINDS:  # a head drafting one token per step: block − 1 steps
+    if args.kind in SEQUENTIAL_KINDS:  # a head drafting one token per step: block − 1 steps
         argv += ["--ttt-steps", str(args.block_size - 1)] + (["--layers", "1"] if args.kind == "eagle3" else [])
     else:
         argv += ["--layers", str(args.layers), "--block-size", str(args.block_size)]

@@ -352,12 +352,11 @@ def load_cost_entry(key: str, now: float | None = None) -> tuple[dict[int, float
         return None
     if not entry:
         return None
-    age = (time.time() if now is None else now) - entry.get("measured_at", -math.inf)  # undated: infinitely old
-    if age > COSTS_MAX_AGE:
+    now = time.time() if now is None else now
+    if now - entry.get("measured_at", -math.inf) > COSTS_MAX_AGE:  # undated: infinitely old
         return None
     counts, timed_at = entry.get("segments", {}), entry.get("timed_at", {})
     costs = {int(t): float(s) for t, s in entry.items() if t.isdigit()}
-    now = time.time() if now is None else now
     fresh = {t: now - timed_at.get(str(t), entry["measured_at"]) <= REFRESH_AGE for t in costs}
     return costs, {t: int(counts.get(str(t), 0)) if fresh[t] else 0 for t in costs}
 

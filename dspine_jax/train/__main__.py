@@ -34,7 +34,7 @@ from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters import eagle3, mtp
 from dspine_jax.drafters.config import build_target_layer_ids, load_drafter_config
 from dspine_jax.drafters.dspark import MARKOV_HEAD_TYPES
-from dspine_jax.drafters.io import (  # noqa: F401  (SEQUENTIAL_KINDS: train_gpu.py reads it here)
+from dspine_jax.drafters.io import (
     SEQUENTIAL_KINDS,
     cast_drafter,
     copy_target_layers,
