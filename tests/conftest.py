@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite's measured verify costs (tiny models, a busy machine) go to a file of its own, not the user's cache
+# (subprocesses inherit it; a test that checks the file points it at its tmp_path).
+os.environ["DSPINE_JAX_VERIFY_COSTS"] = os.path.join(tempfile.mkdtemp(prefix="dspine_jax_tests_"), "verify_costs.json")
 
 import jax
 

@@ -165,7 +165,7 @@ def test_calibration_keeps_the_fastest_repeat():
 
 
 def test_cost_cache_round_trip_with_segments(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv(adaptive.COSTS_ENV, str(tmp_path / adaptive.COSTS_FILE))
     adaptive.store_costs("k", {1: 1.0, 2: 1.5}, {1: 4, 2: 7})
     assert adaptive.load_cost_entry("k") == ({1: 1.0, 2: 1.5}, {1: 4, 2: 7})
     assert adaptive.load_costs("k") == {1: 1.0, 2: 1.5}
@@ -246,7 +246,7 @@ def test_greedy_probes_peek_instead_of_verifying_two_tokens(llama):
 
 
 def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
-    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv(adaptive.COSTS_ENV, str(tmp_path / adaptive.COSTS_FILE))
     target, reference = llama
     drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=4, seed=3)
     first = speculative_generate(target, drafter, [PROMPT], 24, stop_ids=[])
@@ -269,7 +269,7 @@ def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
 def test_a_prior_that_makes_one_length_look_cheap_is_explored_away(llama, tmp_path, monkeypatch):
     # A cached prior says T = 2 costs a tenth of the rest: without exploration every round would verify 2
     # (nothing else would ever be timed). The next longer length gets its segments, and the cache records them.
-    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv(adaptive.COSTS_ENV, str(tmp_path / adaptive.COSTS_FILE))
     target, reference = llama
     ref = np.zeros((1, 160), np.int32)
     ref[0, : len(reference)] = reference

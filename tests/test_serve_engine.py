@@ -173,7 +173,7 @@ def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, 
     drafting pointless the policy settles on plain decode steps."""
     from dspine_jax.decoding import adaptive
 
-    monkeypatch.setenv("DSPINE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv(adaptive.COSTS_ENV, str(tmp_path / adaptive.COSTS_FILE))
     ref = generate(llama, [PROMPTS[0]], 60, stop_ids=[]).token_ids[0]
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
     core = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[])
@@ -414,10 +414,10 @@ def test_cache_capacity_follows_the_longest_request(llama):
     """With a context far above what the requests use, the caches hold a capacity bucket just above the
     occupied slots' positions: 128 while every row is short, 256 once one passes 128, back to 128 when
     it leaves. Output equals ``generate``'s, and warmup compiled every step (none compiles while serving).
-    (One kind: every kind's context ring is the same ``DraftCache``; block 2, so verify lengths 1 and 2 only:
-    the warmup compiles every program at three capacities.)"""
+    (One kind: every kind's context ring is the same ``DraftCache``; block 2, so verify lengths 1 and 2 only,
+    and one slot, so one row bucket: the warmup compiles every program at three capacities.)"""
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=2, top_k=8, seed=3)
-    core = EngineCore(llama, drafter, num_slots=2, context_length=500, stop_ids=[], max_prompt_bucket=64)
+    core = EngineCore(llama, drafter, num_slots=1, context_length=500, stop_ids=[], max_prompt_bucket=64)
     assert core.capacity_buckets == [128, 256, core.capacity]
     core.warmup()
     assert (core.rows, core.cache_capacity) == (1, 128)

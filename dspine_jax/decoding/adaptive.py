@@ -73,6 +73,7 @@ EXPLORE_SAMPLES = PRIOR_SAMPLES + 1  # timed segments (over runs) a drafted leng
 # picks it: more than its prior counts, so that what exploring measured outvotes the prior in the median
 REFRESH_AGE = 3600  # seconds: a length's segments older than this no longer count, so it is explored again
 COSTS_FILE = "verify_costs.json"
+COSTS_ENV = "DSPINE_JAX_VERIFY_COSTS"  # a path for the cost cache instead of <cache root>/COSTS_FILE (tests)
 COSTS_MAX_AGE = 24 * 3600  # seconds: a calibration older than this is measured again (a machine's day changes its costs)
 
 
@@ -328,8 +329,9 @@ def costs_key(target, proposer_tag: str, batch: int, lengths: Sequence[int]) -> 
     return f"{device.platform}:{device.device_kind}|{digest}|b{batch_bucket(batch)}|T{','.join(map(str, lengths))}"
 
 
-def _costs_path() -> str:
-    return os.path.join(hub.default_cache_dir(), COSTS_FILE)
+def costs_path() -> str:
+    """``$DSPINE_JAX_VERIFY_COSTS`` if set (a file), else ``<cache root>/verify_costs.json``."""
+    return os.environ.get(COSTS_ENV) or os.path.join(hub.default_cache_dir(), COSTS_FILE)
 
 
 def load_costs(key: str) -> dict[int, float] | None:
@@ -346,7 +348,7 @@ def load_cost_entry(key: str, now: float | None = None) -> tuple[dict[int, float
     segments, so ``CostEstimate.explore`` times it again when it neighbours the choice (seen: T = 8 priced at
     2.3–2.5× a plain step by a calibration 13 hours old and never run since, T = 4 being chosen instead)."""
     try:
-        with open(_costs_path()) as f:
+        with open(costs_path()) as f:
             entry = json.load(f).get(key)
     except (OSError, ValueError):
         return None
@@ -369,7 +371,7 @@ def store_costs(
     concurrent runs never leave a torn file). ``measured_at``: when they were calibrated (None: a refinement,
     which keeps the entry's calibration time, or now for a new entry). ``timed``: the lengths timed just now
     (None: all); the others keep the time they were last timed."""
-    path = _costs_path()
+    path = costs_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         with open(path) as f:

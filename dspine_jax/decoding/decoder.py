@@ -367,7 +367,7 @@ class Decoder:
         samples. Stores the costs on disk; returns the seconds it took."""
         entry = self._bucket(bucket)
         _log.info("measuring verify costs for lengths %s (once per device, model, drafter and batch size; cached "
-                  "in %s)", list(self.candidates), adaptive.COSTS_FILE)  # fmt: skip
+                  "in %s)", list(self.candidates), adaptive.costs_path())  # fmt: skip
         begin = time.perf_counter()
         while entry.estimate is None:
             t = entry.calibration.next_length()
