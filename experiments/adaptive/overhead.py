@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from switch_cost import fresh  # this folder is on sys.path when run
 
 from dspine_jax.bench import load_heldout_prompts, select_prompts
 from dspine_jax.decoding import adaptive
@@ -24,7 +25,6 @@ from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.decoder import run_segment
 from dspine_jax.decoding.proposers import NoProposer, as_proposer
 from dspine_jax.drafters.io import load_draft
-from dspine_jax.models.sampling import Sampling
 from dspine_jax.models.target import load_target
 from dspine_jax.models.tokenizer import load_tokenizer
 from dspine_jax.train.prompts import encode_messages
@@ -35,16 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def plain_rounds(target, proposer, prompt: list[int], n: int, peek: bool = False) -> float:
     """Decode seconds of ``n`` T = 1 rounds of the speculative loop (one segment, prefill excluded); ``peek``:
     every round a peek (a plain round plus a one-token draft)."""
-    rows, capacity, tokens, lengths, stops = spec.plan_request(target, [prompt], n, 0.0, 1.0, 0, [])
-    t_max = max(adaptive.candidate_lengths(proposer.block_limit))
-    key = jax.random.key(0)
-    cache, state, first = spec.prefill(target, proposer, tokens, lengths, key, jnp.float32(1.0), jnp.float32(1.0),
-                                       capacity=capacity + t_max, top_k=0, greedy=True)
-    stop = jnp.full((spec.STOP_BUCKET,), -1, jnp.int32)
-    carry = spec.begin(cache, state, first, key, Sampling.rows(1), stop, jnp.int32(n), max_verify=t_max,
-                       out_width=spec.round_up(n, spec.TOKEN_BUCKET))
+    carry, stop = fresh(target, proposer, prompt, n, max(adaptive.candidate_lengths(proposer.block_limit)))
     policy = adaptive.fixed_policy(1)
-    carry = jax.block_until_ready(carry)
     begin = time.perf_counter()
     out = run_segment(target, proposer, *carry, stop, jnp.int32(n), policy, verify_len=1, greedy=True, peek=peek)
     jax.block_until_ready(out)

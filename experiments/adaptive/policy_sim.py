@@ -112,11 +112,14 @@ def committed(trace: list[int], pos: int, t: int, n: int) -> int:
 
 
 def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
-             every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0) -> dict:
+             every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0, fold: bool = False) -> dict:
     """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, deciding
     every ``every`` rounds (or at a ``fixed`` length): model seconds, rounds and the lengths run. ``peek``:
     seconds of a peek (greedy probes at ``PROBE_LENGTH`` run as one, as ``speculative_generate`` does; None:
-    as a real round); ``host``: seconds of host work per segment (a choice between two device loops)."""
+    as a real round); ``host``: seconds of host work per segment (a launch of a device loop and its read-back);
+    ``fold``: plain rounds end on their peek in one segment (one host cost fewer per probe; not built: a round
+    that may peek needs a ``lax.cond`` in the loop, and XLA then copies the drafter's ring every round), else the
+    peek is a segment of its own (as ``Decoder.plan`` runs it)."""
     lengths = tuple(sorted(costs))
     policy = adaptive.make_policy(lengths, costs)
     stats = adaptive.init_state(1, max(lengths))
@@ -126,13 +129,16 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
     while pos < n:
         t = fixed or lengths[int(choice)]
         peeking = peek is not None and not fixed and adaptive.peeks(t, bool(probe), greedy=True)
-        segment = 1 if fixed or bool(probe) else until_probe if t == 1 else every
+        folded = fold and peek is not None and not fixed and t == 1 and not bool(probe)
+        segment = 1 if fixed or bool(probe) else until_probe + folded if t == 1 else every
         seconds += 0.0 if fixed else host
-        for _ in range(segment):
+        for i in range(segment):
             if pos >= n:
                 break
-            if peeking:  # a plain round; the statistics see the one-token draft against the emitted token
-                stats = adaptive.update(stats, jnp.int32(t), jnp.asarray([min(trace[pos - 1], 1)]), running)
+            if peeking or (folded and i == segment - 1):  # a plain round; the statistics see the one-token draft
+                # against the emitted token
+                stats = adaptive.update(stats, jnp.int32(adaptive.PROBE_LENGTH), jnp.asarray([min(trace[pos - 1], 1)]),
+                                        running)  # fmt: skip
                 pos, seconds, rounds = pos + 1, seconds + peek, rounds + 1
                 ran.append(1)
                 continue
@@ -154,12 +160,14 @@ def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
     return float(best[1])
 
 
-VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, rounds between decisions)
+VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, rounds between decisions, fold)
     "auto": ({}, decoder.DECIDE_EVERY),
+    "auto, probes as the last plain round": ({}, decoder.DECIDE_EVERY, True),
     "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY),
     "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY),
     "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY),
     "auto, decide every 8": ({}, 8),
+    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY),
     "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY),
 }
 
@@ -269,10 +277,11 @@ def main() -> None:
     for t in [t for t in lengths if t > 1]:
         for p, trace in zip(prompts, traces):
             record(f"fixed {t}", p.domain, simulate(trace, n, costs, fixed=t)["seconds"])
-    for name, (constants, every) in VARIANTS.items():
+    for name, (constants, every, *fold) in VARIANTS.items():
         with policy_constants(**constants):
             for p, trace in zip(prompts, traces):
-                record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek, host=host)["seconds"])
+                record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek, host=host,
+                                                fold=bool(fold and fold[0]))["seconds"])  # fmt: skip
     for p, trace in zip(prompts, traces):
         record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
     summary = print_table(rows, prompts)
