@@ -161,14 +161,14 @@ def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
 
 
 VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, rounds between decisions, fold)
-    "auto": ({}, decoder.DECIDE_EVERY),
+    "auto": ({}, decoder.DECIDE_EVERY, False),
     "auto, probes as the last plain round": ({}, decoder.DECIDE_EVERY, True),
-    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY),
-    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY),
-    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY),
-    "auto, decide every 8": ({}, 8),
-    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY),
-    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY),
+    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY, False),
+    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY, False),
+    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY, False),
+    "auto, decide every 8": ({}, 8, False),
+    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY, False),
+    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY, False),
 }
 
 
@@ -277,11 +277,10 @@ def main() -> None:
     for t in [t for t in lengths if t > 1]:
         for p, trace in zip(prompts, traces):
             record(f"fixed {t}", p.domain, simulate(trace, n, costs, fixed=t)["seconds"])
-    for name, (constants, every, *fold) in VARIANTS.items():
+    for name, (constants, every, fold) in VARIANTS.items():
         with policy_constants(**constants):
             for p, trace in zip(prompts, traces):
-                record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek, host=host,
-                                                fold=bool(fold and fold[0]))["seconds"])  # fmt: skip
+                record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek, host=host, fold=fold)["seconds"])
     for p, trace in zip(prompts, traces):
         record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
     summary = print_table(rows, prompts)
