@@ -81,11 +81,24 @@ def interleaved_median_ms(calls: Mapping[str, Callable[[], Any]], repeats: int) 
     return {name: statistics.median(v) * 1e3 for name, v in times.items()}
 
 
-def machine_info() -> dict[str, Any]:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux; else what ``platform`` says): timings and float32
+    rounding differ between CPUs, so every result names its own."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
+
+def machine_info() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
         "jax_backend": jax.default_backend(),

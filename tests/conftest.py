@@ -61,6 +61,34 @@ def require(module: str) -> ModuleType:
     missing_reference(f"reference package {module!r} ({error})")  # outside the except: no chained traceback
 
 
+def float32_noise(run, model, exact, seeds: int = 4) -> float:
+    """How far a float32 evaluation of ``model`` may land from the float64 result ``exact``: the largest
+    ``|run(m) − exact|`` over the float32 model itself and ``seeds`` copies with every weight moved one ulp up
+    or down at random.
+
+    By backward error analysis a float32 product ``fl(x·W)`` is the exact product of inputs perturbed by
+    up to γ_K = K·u relative, the split depending on the summation order (BLAS kernel, CPU). One ulp per
+    weight is the smallest such perturbation, so the spread it causes is what any float32 implementation
+    may show; one run of one implementation samples only its own order (a second one, or the same code on
+    another CPU, can land several times farther: measured 2–7× on the chained EAGLE-3 steps)."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    noise = np.abs(run(model) - exact).max()
+    for seed in range(seeds):
+        moved, gen = copy.deepcopy(model), torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in moved.parameters():
+                if p.dtype == torch.float32:
+                    up = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.bool)
+                    p.copy_(torch.where(up, p.nextafter(p.new_full((), float("inf"))),
+                                        p.nextafter(p.new_full((), float("-inf")))))  # fmt: skip
+        noise = max(noise, np.abs(run(moved) - exact).max())
+    return float(noise)
+
+
 def make_tiny_hf_model(model_type: str, out_dir: Path, seed: int = 0, **overrides):
     """Create, save and return (dir, torch model) for a tiny random ``llama``/``qwen3`` config."""
     import torch

@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +103,12 @@ class Pair:
         return self.client.completions.create(model="qwen3", prompt=prompt, max_tokens=max_tokens,
                                               temperature=0).choices[0].text  # fmt: skip
 
+    def generated_tokens(self) -> int:
+        """The server's ``dspine_generation_tokens_total``."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+        return int(re.search(r"^dspine_generation_tokens_total (\d+)", text, re.M).group(1))
+
     def log(self, rank: int) -> str:
         return self.logs[rank].read_text()
 
@@ -145,13 +152,19 @@ def test_killed_follower_fails_requests_with_503_and_the_leader_exits(pair, expe
         except openai.APIConnectionError as e:  # (the leader went away without answering)
             result["connection"] = repr(e.__cause__ or e)
 
+    before = pair.generated_tokens()
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(1.0)  # (admitted and decoding: a step takes tens of ms, 80 tokens take seconds)
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while pair.generated_tokens() == before and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)  # (until the request decodes: its programs compiled, its first tokens out)
     pair.procs[1].kill()
+    killed = time.monotonic()
     thread.join(timeout=PEER_TIMEOUT_S + EXIT_TIMEOUT_S)
     assert not thread.is_alive(), "the request in flight hung"
-    assert result.get("status") == 503, f"{result}\n{pair.log(0)[-3000:]}"
+    own_lines = "\n".join(line for line in pair.log(0).splitlines() if line.startswith("[dspine_jax"))
+    assert result.get("status") == 503, (f"{result}, {time.monotonic() - killed:.1f}s after the kill\n"
+                                         f"{own_lines[-3000:]}\n{pair.log(0)[-3000:]}")  # fmt: skip
     assert "lost the other processes" in result["message"] or "no answer from the other processes" in result["message"]
     assert pair.wait(0) == replica.FAILURE_EXIT_CODE, pair.log(0)[-3000:]
 

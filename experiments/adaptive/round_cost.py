@@ -1,0 +1,82 @@
+"""What one round of the speculative loop costs at each verify length, × our AR decode step, side by side in
+one process: a segment of ``--rounds`` rounds held at T (a fixed policy; T = 1 is a plain round, ``peek`` a
+plain round plus a one-token draft), one dispatch and one read-back each as the decoder runs them; our AR
+decode (``generate``) timed between them. Interleaved repeats, medians, prefill excluded. Usage:
+
+    python experiments/adaptive/round_cost.py [--domain code] [--rounds 16] [--repeats 9] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from switch_cost import fresh  # this folder is on sys.path when run
+
+from dspine_jax.bench import load_heldout_prompts, machine_info, select_prompts
+from dspine_jax.decoding import adaptive
+from dspine_jax.decoding.autoregressive import generate
+from dspine_jax.decoding.decoder import run_segment
+from dspine_jax.decoding.proposers import as_proposer
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models.target import load_target
+from dspine_jax.models.tokenizer import load_tokenizer
+from dspine_jax.train.prompts import encode_messages
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def segment_seconds(target, proposer, prompt: list[int], t: int, peek: bool, rounds: int, t_max: int) -> float:
+    """Seconds per round of one segment of ``rounds`` rounds at verify length ``t`` after a fresh prefill."""
+    carry, stop = fresh(target, proposer, prompt, rounds * t + 8, t_max)
+    begin = time.perf_counter()
+    out = run_segment(target, proposer, *carry, stop, jnp.int32(rounds), adaptive.fixed_policy(t), verify_len=t,
+                      greedy=True, peek=peek)  # fmt: skip
+    jax.device_get((out[2], out[1].iterations))
+    return (time.perf_counter() - begin) / rounds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default=str(ROOT / "checkpoints/smollm2-135m-dspine-b8"))
+    ap.add_argument("--domain", default="code")
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--json", default=None, help="also write the medians here")
+    args = ap.parse_args()
+    target = load_target(args.model)
+    tok = load_tokenizer(args.model)
+    held = load_heldout_prompts(args.model, ROOT / "experiments/data/smollm2-v2")
+    prompt = [p.ids for p in select_prompts({args.domain: held[args.domain]}, 1, lambda m: encode_messages(tok, m))][0]
+    proposer = as_proposer(load_draft(args.draft, target))
+    lengths = adaptive.candidate_lengths(proposer.block_limit)
+    t_max = max(lengths)
+    cases = {f"T={t}": (t, False) for t in lengths} | {"peek": (1, True)}
+    ar_tokens = args.rounds * 4
+    for t, peek in cases.values():  # compile every program
+        segment_seconds(target, proposer, prompt, t, peek, args.rounds, t_max)
+    generate(target, [prompt], ar_tokens, stop_ids=[])
+    times: dict[str, list[float]] = {k: [] for k in cases} | {"AR step": []}
+    for _ in range(args.repeats):
+        for name, (t, peek) in cases.items():
+            times[name].append(segment_seconds(target, proposer, prompt, t, peek, args.rounds, t_max))
+        times["AR step"].append(generate(target, [prompt], ar_tokens, stop_ids=[]).decode_seconds / ar_tokens)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    ar = medians["AR step"]
+    print(f"{machine_info()}; {args.domain} prompt ({len(prompt)} tokens), segments of {args.rounds} rounds, "
+          f"medians of {args.repeats}")  # fmt: skip
+    for name, med in medians.items():
+        print(f"{name:8s} {med * 1e3:7.2f} ms/round  {med / ar:5.3f}× our AR step")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine_info(), "ms": {k: v * 1e3 for k, v in medians.items()},
+                                               "x_ar": {k: v / ar for k, v in medians.items()}}, indent=1) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
