@@ -15,9 +15,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from switch_cost import fresh  # this folder is on sys.path when run
+from switch_cost import fresh, heldout_prompt  # this folder is on sys.path when run
 
-from dspine_jax.bench import load_heldout_prompts, machine_info, select_prompts
+from dspine_jax.bench import machine_info
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.decoder import run_segment
@@ -25,8 +25,6 @@ from dspine_jax.decoding.proposers import NoProposer, as_proposer
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models.target import load_target
-from dspine_jax.models.tokenizer import load_tokenizer
-from dspine_jax.train.prompts import encode_messages
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (1, 2, 4, 8)
@@ -51,9 +49,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     target = load_target(args.model)
-    tok = load_tokenizer(args.model)
-    held = load_heldout_prompts(args.model, ROOT / "experiments/data/smollm2-v2")
-    prompt = [p.ids for p in select_prompts({args.domain: held[args.domain]}, 1, lambda m: encode_messages(tok, m))][0]
+    prompt = heldout_prompt(args.model, args.domain)
     draft = load_draft(args.draft, target)
     proposer = as_proposer(draft)
     n = args.tokens

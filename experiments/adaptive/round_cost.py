@@ -16,17 +16,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from switch_cost import fresh  # this folder is on sys.path when run
+from switch_cost import fresh, heldout_prompt  # this folder is on sys.path when run
 
-from dspine_jax.bench import load_heldout_prompts, machine_info, select_prompts
+from dspine_jax.bench import machine_info
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.decoder import run_segment
 from dspine_jax.decoding.proposers import as_proposer
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models.target import load_target
-from dspine_jax.models.tokenizer import load_tokenizer
-from dspine_jax.train.prompts import encode_messages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,9 +49,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the medians here")
     args = ap.parse_args()
     target = load_target(args.model)
-    tok = load_tokenizer(args.model)
-    held = load_heldout_prompts(args.model, ROOT / "experiments/data/smollm2-v2")
-    prompt = [p.ids for p in select_prompts({args.domain: held[args.domain]}, 1, lambda m: encode_messages(tok, m))][0]
+    prompt = heldout_prompt(args.model, args.domain)
     proposer = as_proposer(load_draft(args.draft, target))
     lengths = adaptive.candidate_lengths(proposer.block_limit)
     t_max = max(lengths)

@@ -37,6 +37,13 @@ from dspine_jax.train.prompts import encode_messages
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def heldout_prompt(model: str, domain: str) -> list[int]:
+    """The first held-out prompt of ``domain`` (``experiments/data/smollm2-v2``), chat-templated, as token ids."""
+    tok = load_tokenizer(model)
+    held = load_heldout_prompts(model, ROOT / "experiments/data/smollm2-v2")
+    return [p.ids for p in select_prompts({domain: held[domain]}, 1, lambda m: encode_messages(tok, m))][0]
+
+
 def fresh(target, proposer, prompt: list[int], budget: int, t_max: int):
     """(state, transcript) right after the prefill, for ``budget`` new tokens."""
     rows, capacity, tokens, lengths, stops = spec.plan_request(target, [prompt], budget, 0.0, 1.0, 0, [])
@@ -77,9 +84,7 @@ def main() -> None:
     ap.add_argument("--rounds", default="1,4,16")
     args = ap.parse_args()
     target = load_target(args.model)
-    tok = load_tokenizer(args.model)
-    held = load_heldout_prompts(args.model, ROOT / "experiments/data/smollm2-v2")
-    prompt = [p.ids for p in select_prompts({args.domain: held[args.domain]}, 1, lambda m: encode_messages(tok, m))][0]
+    prompt = heldout_prompt(args.model, args.domain)
     proposer = as_proposer(load_draft(args.draft, target))
     lengths = adaptive.candidate_lengths(proposer.block_limit)
     policy = adaptive.make_policy(lengths, dict.fromkeys(lengths, 1.0))
