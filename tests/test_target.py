@@ -1,7 +1,12 @@
-"""Target forward parity against HF transformers (torch, f32) on tiny random Llama / Qwen3 models."""
+"""Target forward parity against HF transformers (torch, f32) on tiny random Llama / Qwen3 models, and a block
+forward that reads the cache where it lies."""
 
 from __future__ import annotations
 
+import math
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -114,11 +119,6 @@ def test_a_block_forward_reads_the_cache_in_place(tiny_models, family):
     """The compiled forward of a 1-, 2-, 4- or 8-token block over a donated cache copies no buffer the size of a
     layer's K/V cache: each attention product reads the cache in its stored layout (a dot spelled the other way
     round makes XLA:CPU copy every layer's cache transposed, every verify round)."""
-    import math
-    import re
-
-    import jax
-
     target = load_target(tiny_models[family][0])
     cache = init_cache(target, 1, 256)
     layer_cache = math.prod(cache.k[0].shape)
