@@ -72,18 +72,20 @@ def cached_attention(
     ``v · v_scale`` without materialising those float buffers; the PV product then runs in ``q``'s dtype.
     """
     b, t, n, d = q.shape
-    kv_heads = k.shape[1]
-    qg = q.reshape(b, t, kv_heads, n // kv_heads, d)
+    kv_heads, groups = k.shape[1], n // k.shape[1]
+    q_heads = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    # Few queries (a plain step): multiply-and-reduce fusions stream the cache once in its own layout (as dots
+    # XLA:CPU would copy every layer cache, every step). A block: one product per KV head with the group's
+    # queries flattened, [G·T, D] @ [D, S] and [G·T, S] @ [S, D]; spelled with ``btkgd`` queries or outputs,
+    # XLA:CPU computed Vᵀ·Pᵀ and copied the whole layer cache transposed every round.
     if t <= SMALL_BLOCK:
-        # Few queries: multiply-and-reduce fusions stream the cache once in its own layout; a dot
-        # would make XLA:CPU copy the layer cache into its preferred layout at every step.
-        qf, kf = qg.astype(jnp.float32).transpose(0, 2, 3, 1, 4), k.astype(jnp.float32)
+        qf, kf = q_heads.astype(jnp.float32), k.astype(jnp.float32)
         scores = jnp.sum(qf[:, :, :, :, None, :] * kf[:, :, None, None, :, :], axis=-1)
     else:
-        keys = k if k_scale is None else k.astype(qg.dtype)  # int8 → q's dtype (a dot needs one dtype)
-        queries = qg.transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)  # [B, K, G·T, D]
-        scores = jnp.einsum("bkqd,bksd->bkqs", queries, keys, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, kv_heads, n // kv_heads, t, -1)  # [B, K, G, T, S]
+        keys = k if k_scale is None else k.astype(q.dtype)  # int8 → q's dtype (a dot needs one dtype)
+        flat = q_heads.reshape(b, kv_heads, groups * t, d)
+        scores = jnp.einsum("bkqd,bksd->bkqs", flat, keys, preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, kv_heads, groups, t, -1)  # [B, K, G, T, S]
     if k_scale is not None:
         scores = scores * k_scale[:, :, None, None, :, 0].astype(jnp.float32)  # [B, K, 1, 1, S]
     scores = jnp.where(visible[:, None, None, :, :], scores * (d**-0.5), MASK_VALUE)
@@ -94,15 +96,12 @@ def cached_attention(
     probs = probs.astype(value_dtype)
     if t <= SMALL_BLOCK:
         pv = probs.astype(jnp.float32)[..., None] * v.astype(jnp.float32)[:, :, None, None, :, :]
-        out = jnp.sum(pv, axis=-2).astype(value_dtype).transpose(0, 3, 1, 2, 4)
+        out = jnp.sum(pv, axis=-2).astype(value_dtype)
     else:
-        # One [G·T, S] @ [S, D] product per KV head, the (small) output transposed after: spelled with the
-        # output as ``btkgd``, XLA:CPU computes Vᵀ·Pᵀ instead and copies the whole layer cache transposed
-        # every round (12.8 MB a verify round for SmolLM2 at 520 slots).
         values = v if v_scale is None else v.astype(value_dtype)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kv_heads, -1, probs.shape[-1]), values)  # q = (g, t)
-        out = out.reshape(b, kv_heads, n // kv_heads, t, d).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, D]
-    return out.reshape(b, t, n, d)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kv_heads, groups * t, -1), values)
+        out = out.reshape(b, kv_heads, groups, t, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)  # [B, K, G, T, D] → [B, T, N, D]
 
 
 def swiglu(x: Array, gate: Array, up: Array, down: Array) -> Array:

@@ -83,19 +83,20 @@ def draft_attention_reference(
     """q ``[B,T,N,D]``, ctx_k/v ``[B,K,S,D]``, k/v ``[B,T,K,D]``, lengths ``[B]`` → ``[B,T,N,D]``."""
     b, t, n, d = q.shape
     kh, s = ctx_k.shape[1], ctx_k.shape[2]
+    groups = n // kh
     visible = visible_mask(lengths, s, t, window, causal)
-    qg = q.reshape(b, t, kh, n // kh, d)
-    queries = qg.transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, d)  # [B, K, G·T, D]
-    ctx_scores = jnp.einsum("bkqd,bksd->bkqs", queries, ctx_k, preferred_element_type=jnp.float32)
-    ctx_scores = ctx_scores.reshape(b, kh, n // kh, t, s)  # [B, K, G, T, S]
+    qg = q.reshape(b, t, kh, groups, d)
+    # The ring's products per KV head with the group's queries flattened, [G·T, D] @ [D, S] and [G·T, S] @ [S, D]
+    # (as ``cached_attention``: spelled with ``btkgd`` queries or outputs, XLA:CPU copies the ring transposed).
+    flat = qg.transpose(0, 2, 3, 1, 4).reshape(b, kh, groups * t, d)  # [B, K, G·T, D]
+    ctx_scores = jnp.einsum("bkqd,bksd->bkqs", flat, ctx_k, preferred_element_type=jnp.float32)
+    ctx_scores = ctx_scores.reshape(b, kh, groups, t, s)  # [B, K, G, T, S]
     blk_scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = jnp.concatenate([ctx_scores, blk_scores], axis=-1) * (d**-0.5)  # [B, K, G, T, S+T]
     scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    # The ring's products as [G·T, D] @ [D, S] and [G·T, S] @ [S, D] per KV head (as ``cached_attention``:
-    # spelled with ``btkgd`` queries or outputs, XLA:CPU copies the ring transposed every call).
-    ctx_out = jnp.einsum("bkqs,bksd->bkqd", probs[..., :s].reshape(b, kh, -1, s), ctx_v)  # q = (g, t)
-    ctx_out = ctx_out.reshape(b, kh, n // kh, t, d).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, D]
+    ctx_out = jnp.einsum("bkqs,bksd->bkqd", probs[..., :s].reshape(b, kh, groups * t, s), ctx_v)
+    ctx_out = ctx_out.reshape(b, kh, groups, t, d).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, D]
     out = ctx_out + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v)
     return out.reshape(b, t, n, d)
 
