@@ -89,6 +89,16 @@ def float32_noise(run, model, exact, seeds: int = 4) -> float:
     return float(noise)
 
 
+@pytest.fixture
+def costs_file(tmp_path, monkeypatch) -> Path:
+    """This test's own verify-cost cache (``$DSPINE_JAX_VERIFY_COSTS`` pointed at a file in its ``tmp_path``)."""
+    from dspine_jax.decoding import adaptive
+
+    path = tmp_path / adaptive.COSTS_FILE
+    monkeypatch.setenv(adaptive.COSTS_ENV, str(path))
+    return path
+
+
 def make_tiny_hf_model(model_type: str, out_dir: Path, seed: int = 0, **overrides):
     """Create, save and return (dir, torch model) for a tiny random ``llama``/``qwen3`` config."""
     import torch

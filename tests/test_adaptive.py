@@ -164,29 +164,28 @@ def test_calibration_keeps_the_fastest_repeat():
     assert order[:6] == [1, 2, 4, 1, 2, 4] and len(order) == 3 * (COST_SAMPLES + 1)
 
 
-def test_cost_cache_round_trip_with_segments(tmp_path, monkeypatch):
-    monkeypatch.setenv(adaptive.COSTS_ENV, str(tmp_path / adaptive.COSTS_FILE))
+def test_cost_cache_round_trip_with_segments(costs_file):
     adaptive.store_costs("k", {1: 1.0, 2: 1.5}, {1: 4, 2: 7})
     assert adaptive.load_cost_entry("k") == ({1: 1.0, 2: 1.5}, {1: 4, 2: 7})
     assert adaptive.load_costs("k") == {1: 1.0, 2: 1.5}
-    table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
+    table = json.loads(costs_file.read_text())
     calibrated = table["k"]["measured_at"]
     adaptive.store_costs("k", {1: 1.1, 2: 1.4}, {1: 5, 2: 8})  # a refinement keeps the calibration's time
-    assert json.loads((tmp_path / adaptive.COSTS_FILE).read_text())["k"]["measured_at"] == calibrated
+    assert json.loads(costs_file.read_text())["k"]["measured_at"] == calibrated
     # A day-old calibration, or one written before entries were dated, is measured again.
     assert adaptive.load_cost_entry("k", now=calibrated + adaptive.COSTS_MAX_AGE - 1) is not None
     assert adaptive.load_cost_entry("k", now=calibrated + adaptive.COSTS_MAX_AGE + 1) is None
     # A length last timed more than REFRESH_AGE ago counts no segments (it is explored again); one timed since
     # keeps its count.
     adaptive.store_costs("k", {1: 1.1, 2: 1.4}, {1: 6, 2: 8}, timed=[1])
-    stamps = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())["k"]["timed_at"]
+    stamps = json.loads(costs_file.read_text())["k"]["timed_at"]
     later = stamps["2"] + adaptive.REFRESH_AGE + 1
     stamps["1"] = later - 1  # T = 1 timed a second before `later`
-    table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
+    table = json.loads(costs_file.read_text())
     table["k"]["timed_at"] = stamps
-    (tmp_path / adaptive.COSTS_FILE).write_text(json.dumps(table))
+    costs_file.write_text(json.dumps(table))
     assert adaptive.load_cost_entry("k", now=later) == ({1: 1.1, 2: 1.4}, {1: 6, 2: 0})
-    (tmp_path / adaptive.COSTS_FILE).write_text(json.dumps({"old": {"1": 1.0, "4": 2.0}}))  # undated
+    costs_file.write_text(json.dumps({"old": {"1": 1.0, "4": 2.0}}))  # undated
     assert adaptive.load_cost_entry("old") is None
     assert adaptive.load_cost_entry("missing") is None
 
@@ -245,13 +244,12 @@ def test_greedy_probes_peek_instead_of_verifying_two_tokens(llama):
     assert set(run_oracle(target, reference, [0] * 64, costs=dear)) == {1}
 
 
-def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
-    monkeypatch.setenv(adaptive.COSTS_ENV, str(tmp_path / adaptive.COSTS_FILE))
+def test_costs_are_measured_once_and_cached(llama, costs_file):
     target, reference = llama
     drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=4, seed=3)
     first = speculative_generate(target, drafter, [PROMPT], 24, stop_ids=[])
     assert first.calibration_seconds > 0 and first.token_ids[0] == reference[:24]
-    table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
+    table = json.loads(costs_file.read_text())
     (key, costs), = table.items()
     seconds = {t: v for t, v in costs.items() if t.isdigit()}
     assert key.endswith("|b1|T1,2,4") and set(seconds) == {"1", "2", "4"} and all(v > 0 for v in seconds.values())
@@ -261,15 +259,14 @@ def test_costs_are_measured_once_and_cached(llama, tmp_path, monkeypatch):
     assert second.calibration_seconds > 0  # batch 2: another bucket
     third = speculative_generate(target, drafter, [PROMPT[::-1]], 110, stop_ids=[])
     assert third.calibration_seconds == 0.0  # batch 1 again: read from disk
-    table = json.loads((tmp_path / adaptive.COSTS_FILE).read_text())
+    table = json.loads(costs_file.read_text())
     assert len(table) == 2
     assert table[key] != costs  # decoding refined the cached costs with the rounds it timed
 
 
-def test_a_prior_that_makes_one_length_look_cheap_is_explored_away(llama, tmp_path, monkeypatch):
+def test_a_prior_that_makes_one_length_look_cheap_is_explored_away(llama, costs_file):
     # A cached prior says T = 2 costs a tenth of the rest: without exploration every round would verify 2
     # (nothing else would ever be timed). The next longer length gets its segments, and the cache records them.
-    monkeypatch.setenv(adaptive.COSTS_ENV, str(tmp_path / adaptive.COSTS_FILE))
     target, reference = llama
     ref = np.zeros((1, 160), np.int32)
     ref[0, : len(reference)] = reference

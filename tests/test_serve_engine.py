@@ -167,13 +167,12 @@ def decode_one(core: EngineCore, prompt: list[int], budget: int) -> tuple[list[i
     return out, seen
 
 
-def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, monkeypatch):
+def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, costs_file):
     """``verify="auto"`` (the default): the first steps of a row bucket run pinned lengths and time them (exact
     all the same); the costs (``decoder.Calibration``) are stored on disk and later engines read them; with costs that make
     drafting pointless the policy settles on plain decode steps."""
     from dspine_jax.decoding import adaptive
 
-    monkeypatch.setenv(adaptive.COSTS_ENV, str(tmp_path / adaptive.COSTS_FILE))
     ref = generate(llama, [PROMPTS[0]], 60, stop_ids=[]).token_ids[0]
     drafter = init_drafter(llama, "dspine", num_layers=1, block_size=4, top_k=8, seed=3)
     core = EngineCore(llama, drafter, num_slots=1, context_length=96, stop_ids=[])
@@ -181,7 +180,7 @@ def test_adaptive_engine_measures_costs_online_and_stays_exact(llama, tmp_path, 
     out, seen = decode_one(core, PROMPTS[0], 60)
     assert out == ref
     assert set(seen) == {1, 2, 4}  # calibration pinned every length
-    (key, stored), = json.loads((tmp_path / adaptive.COSTS_FILE).read_text()).items()
+    (key, stored), = json.loads(costs_file.read_text()).items()
     costs = adaptive.load_cost_entry(key)[0]
     assert "|b1|" in key and set(costs) == {1, 2, 4} and all(v > 0 for v in costs.values())
     assert stored["segments"] == {str(t): COST_SAMPLES for t in (1, 2, 4)}  # live steps timed each length

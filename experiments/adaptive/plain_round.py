@@ -33,9 +33,9 @@ LENGTHS = (1, 2, 4, 8)
 def plain_round_seconds(target, proposer, prompt: list[int], rounds: int) -> float:
     """Seconds per round of one segment of ``rounds`` plain rounds under the adaptive policy (statistics kept)."""
     carry, stop = fresh(target, proposer, prompt, rounds + 8, max(LENGTHS))
-    policy = adaptive.make_policy(LENGTHS, dict.fromkeys(LENGTHS, 1.0))
+    policy, max_rounds = adaptive.make_policy(LENGTHS, dict.fromkeys(LENGTHS, 1.0)), jnp.int32(rounds)
     begin = time.perf_counter()
-    out = run_segment(target, proposer, *carry, stop, jnp.int32(rounds), policy, verify_len=1, greedy=True)
+    out = run_segment(target, proposer, *carry, stop, max_rounds, policy, verify_len=1, greedy=True)
     jax.device_get((out[2], out[1].iterations))
     return (time.perf_counter() - begin) / rounds
 

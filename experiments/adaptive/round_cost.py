@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def segment_seconds(target, proposer, prompt: list[int], t: int, peek: bool, rounds: int, t_max: int) -> float:
     """Seconds per round of one segment of ``rounds`` rounds at verify length ``t`` after a fresh prefill."""
     carry, stop = fresh(target, proposer, prompt, rounds * t + 8, t_max)
+    policy, max_rounds = adaptive.fixed_policy(t), jnp.int32(rounds)
     begin = time.perf_counter()
-    out = run_segment(target, proposer, *carry, stop, jnp.int32(rounds), adaptive.fixed_policy(t), verify_len=t,
-                      greedy=True, peek=peek)  # fmt: skip
+    out = run_segment(target, proposer, *carry, stop, max_rounds, policy, verify_len=t, greedy=True, peek=peek)
     jax.device_get((out[2], out[1].iterations))
     return (time.perf_counter() - begin) / rounds
 
