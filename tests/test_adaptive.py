@@ -15,7 +15,7 @@ import pytest
 
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.decoder import COST_SAMPLES, DECIDE_EVERY, Calibration
+from dspine_jax.decoding.decoder import COST_SAMPLES, DECIDE_EVERY, Calibration, Decoder
 from dspine_jax.decoding.proposers import OracleProposer
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import init_drafter
@@ -299,28 +299,51 @@ def test_a_run_starts_from_what_the_last_run_of_its_drafter_measured(llama):
     assert run_oracle(target, reference, [98] * 64, costs=costs)[0] == always[0][0]
 
 
+def test_a_runs_first_segment_waits_as_long_as_its_prior_says(llama):
+    """The host's first choice of a run is the device's rule (``decoder.choose``): rows that start from a prior
+    whose wait is 16 run 16 plain rounds in their first segment before a probe, not a decision's 4."""
+    target, _ = llama
+    proposer = OracleProposer(reference=jnp.zeros((1, 160), jnp.int32), accept=jnp.zeros((1, 64), jnp.int32),
+                              vocab_size=target.config.vocab_size)  # fmt: skip
+    dear = {1: 1.0, 2: 1.9, 4: 2.2, 8: 2.6, 16: 3.5}  # a probe this dear may wait up to MAX_WAIT
+    decoder = Decoder(target, proposer, verify_costs=dear)
+    never = adaptive.Prior(jnp.zeros((15,)), jnp.full((15,), 2.0), jnp.int32(16))  # two misses per slot
+    stats = adaptive.init_state(1, 16, never)
+    plan = decoder.plan(1, 1, stats, jnp.array([True]), jnp.array([100]), greedy=True)
+    assert (plan.length, plan.rounds, plan.peek) == (1, 16, False), plan
+    fresh = Decoder(target, proposer, verify_costs=dear)  # nothing observed: the coin flip, FIRST_WAIT rounds
+    plan = fresh.plan(1, 1, adaptive.init_state(1, 16), jnp.array([True]), jnp.array([100]), greedy=True)
+    assert (plan.length, plan.rounds) == (1, adaptive.FIRST_WAIT), plan
+
+
 def test_the_probe_wait_is_capped_by_what_a_probe_costs():
     """Spread over the plain rounds before it, a probe's extra cost (at most a round of PROBE_LENGTH over a plain
-    one) stays within PROBE_BUDGET: cheap probes come every few rounds whatever the doubled wait says, dear ones
-    as rarely as MAX_WAIT."""
+    one, and the launches of the segments it makes: PROBE_LAUNCHES) stays within PROBE_BUDGET: cheap probes come
+    every few tens of rounds whatever the doubled wait says, dear ones as rarely as MAX_WAIT."""
     cheap = adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 1.15, 4: 1.3})
-    assert int(adaptive.wait_cap(cheap)) == math.ceil(0.15 / adaptive.PROBE_BUDGET - 1e-9)  # 10
+    cap = math.ceil((0.15 + adaptive.PROBE_LAUNCHES) / adaptive.PROBE_BUDGET - 1e-9)
+    assert adaptive.FIRST_WAIT < cap < adaptive.MAX_WAIT and int(adaptive.wait_cap(cheap)) == cap  # 24
     assert int(adaptive.wait_cap(adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 3.0, 4: 3.5}))) == adaptive.MAX_WAIT
-    assert int(adaptive.wait_cap(adaptive.make_policy((1, 2), {1: 1.0, 2: 1.0}))) == adaptive.FIRST_WAIT
-    state = adaptive.init_state(1, 4).replace(wait=jnp.array([adaptive.MAX_WAIT]), idle=jnp.array([10]))
+    free = adaptive.make_policy((1, 2), {1: 1.0, 2: 1.0})  # a probe's round as cheap as a plain one: its launches
+    assert int(adaptive.wait_cap(free)) == math.ceil(adaptive.PROBE_LAUNCHES / adaptive.PROBE_BUDGET - 1e-9)
+    assert int(adaptive.wait_cap(adaptive.make_policy((1, 2), {1: 1.0, 2: 0.5}))) == adaptive.FIRST_WAIT
+    state = adaptive.init_state(1, 4).replace(wait=jnp.array([adaptive.MAX_WAIT]), idle=jnp.array([cap]))
     running, remaining = jnp.array([True]), jnp.array([50])
     dear = adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 1.9, 4: 2.2})
     never = state.replace(tries=jnp.full((1, 3), 8.0))  # eight misses per slot: T = 1 pays best
-    assert bool(adaptive.choose(cheap, never, running, remaining, 0)[1])  # 10 rounds ≥ the cap: a probe is due
+    assert bool(adaptive.choose(cheap, never, running, remaining, 0)[1])  # `cap` rounds waited: a probe is due
+    assert not bool(adaptive.choose(cheap, never.replace(idle=jnp.array([cap - 1])), running, remaining, 0)[1])
     assert not bool(adaptive.choose(dear, never, running, remaining, 0)[1])  # a dear probe waits its 64
 
 
 def test_a_drafter_that_starts_right_late_is_found_within_the_cap(llama):
-    """Nothing accepted for 40 rounds (the waits double to MAX_WAIT), then everything: with probes that cost
-    15 % of a plain round the policy finds it within the cap (10 rounds) and a decision, where doubling alone
-    would next look ~64 rounds later."""
-    target, reference = llama
+    """Nothing accepted for 80 rounds (the waits double past the cap), then everything: with probes that cost
+    15 % of a plain round the policy finds it within the cap (24 rounds) and a decision, where doubling alone
+    would next look ~64 rounds after its previous probe (round ~69, then ~134)."""
+    target, _ = llama
+    reference = generate(target, [PROMPT], 150, stop_ids=[]).token_ids[0]
     cheap = {1: 1.0, 2: 1.15, 4: 1.3, 8: 1.6, 16: 2.4}
-    lengths = run_oracle(target, reference, [0] * 40 + [99] * 24, costs=cheap)
-    drafted = [r for r in range(40, len(lengths)) if lengths[r] > 1]
-    assert drafted and drafted[0] <= 40 + 10 + 2 * DECIDE_EVERY, lengths
+    cap = int(adaptive.wait_cap(adaptive.make_policy(tuple(cheap), cheap)))
+    lengths = run_oracle(target, reference, [0] * 80 + [99] * 80, max_new=150, costs=cheap)
+    drafted = [r for r in range(80, len(lengths)) if lengths[r] > 1]
+    assert cap < adaptive.MAX_WAIT and drafted and drafted[0] <= 80 + cap + 2 * DECIDE_EVERY, (cap, lengths)

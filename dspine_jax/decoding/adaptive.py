@@ -21,9 +21,10 @@ Two parts, both small:
   ``argmax_T Σ_running E_b(T) / cost(T)``. ``T = 1`` stops drafting; after ``wait`` such rounds a
   **probe** (one round at ``PROBE_LENGTH``) refreshes the estimates, and every probe that brings no
   accepted token doubles the row's wait, so a useless drafter costs almost nothing. The wait is capped by
-  what a probe costs (``wait_cap``): probes stay within ``PROBE_BUDGET`` of the plain rounds between them, so a
-  cheap drafter that is right half the time is probed every ~20 rounds, not once a request after two unlucky
-  misses (seen: a drafter at τ 1.9 on a text never drafted on it, its two probes having missed).
+  what a probe costs (``wait_cap``: its round and the launches of the segments it makes): probes stay within
+  ``PROBE_BUDGET`` of the plain rounds between them, so a cheap drafter that is right half the time is probed every
+  ~25 rounds, not once a request after two unlucky misses (seen: a drafter at τ 1.9 on a text never drafted on
+  it, its two probes having missed).
   Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``round.speculative_round(peek=True)``):
   a plain round plus a one-token draft, recorded as the round at ``PROBE_LENGTH`` it stands for, so a
   probe costs a draft rather than a wider verify.
@@ -67,6 +68,8 @@ PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a
 PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round
 FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
 PROBE_BUDGET = 0.015  # a probe's extra cost over a plain round, spread over the plain rounds before it (wait_cap)
+PROBE_LAUNCHES = 0.2  # plain rounds a probe's launches add: it is a segment of its own and splits the plain rounds around
+# it in two (a launch and its read-back measured ~0.09 of a plain round on a 2-core CPU)
 CARRY_WEIGHT = 2.0  # a prior carried from earlier requests counts as this many observations of the first slot
 PRIOR_SAMPLES, RECENT = 3, 32  # a measured (or cached) cost counts as 3 timed segments; the last 32 count
 EXPLORE_SAMPLES = PRIOR_SAMPLES + 1  # timed segments (over runs) a drafted length needs before only the policy
@@ -219,13 +222,14 @@ def choose(
 
 def wait_cap(policy: VerifyPolicy) -> Array:
     """The longest wait between two probes (int32 scalar): a probe costs at most a round at ``PROBE_LENGTH``
-    more than a plain round (a peek costs less: the same draft, no wider verify), and that extra, spread over
-    the plain rounds before the probe, stays within ``PROBE_BUDGET`` of their cost — a cheap drafter is probed
-    every few rounds, a dear one as rarely as ``MAX_WAIT``."""
+    more than a plain round (a peek costs about as much: the same draft, no wider verify) and two launches
+    (``PROBE_LAUNCHES``), and that extra, spread over the plain rounds before the probe, stays within
+    ``PROBE_BUDGET`` of their cost — a cheap drafter is probed every few tens of rounds, a dear one as rarely as
+    ``MAX_WAIT``."""
     if 1 not in policy.lengths or PROBE_LENGTH not in policy.lengths:
         return jnp.int32(MAX_WAIT)
     costs = policy.costs
-    extra = costs[policy.lengths.index(PROBE_LENGTH)] / costs[policy.lengths.index(1)] - 1.0
+    extra = costs[policy.lengths.index(PROBE_LENGTH)] / costs[policy.lengths.index(1)] - 1.0 + PROBE_LAUNCHES
     return jnp.clip(jnp.ceil(extra / PROBE_BUDGET), FIRST_WAIT, MAX_WAIT).astype(jnp.int32)
 
 

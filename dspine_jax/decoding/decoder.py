@@ -140,14 +140,21 @@ def segment(
     track = len(policy.lengths) > 1
     state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, max_rounds, verify_len=verify_len,
                                       greedy=greedy, peek=peek, track=track, cut=policy if track else None)  # fmt: skip
-    running, stats = state.running, state.stats
-    index, probe = adaptive.choose(policy, stats, running, state.remaining, transcript.iterations)
+    return state, transcript, choose(policy, state.stats, state.running, state.remaining, transcript.iterations)
+
+
+def choose(policy: VerifyPolicy, stats: adaptive.PolicyState, running: Array, remaining: Array,
+           round_index: Array) -> Choice:  # fmt: skip
+    """The policy's choice for the rows as they are (``adaptive.choose``), with the plain rounds left before a
+    probe is due."""
+    index, probe = adaptive.choose(policy, stats, running, remaining, round_index)
     until_probe = jnp.min(jnp.where(running, adaptive.waits(policy, stats) - stats.idle, adaptive.MAX_WAIT))
-    return state, transcript, Choice(index, probe, jnp.maximum(until_probe, 1), jnp.any(running))
+    return Choice(index, probe, jnp.maximum(until_probe, 1), jnp.any(running))
 
 
 run_segment = jax.jit(segment, static_argnames=("verify_len", "greedy", "peek"),
                       donate_argnames=("state", "transcript"))  # fmt: skip
+first_choice = jax.jit(choose)  # a run's first choice, before any segment (one program, not op by op)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,8 +410,8 @@ class Decoder:
             return Plan(entry.calibration.next_length(), min(cap, self.every), False, self._unit, False, True)
         policy = adaptive.make_policy(self.candidates, entry.estimate.current(), self.schedule)
         if entry.next is None:  # the first choice of a run: made here, on the rows as they are
-            index, probe = adaptive.choose(policy, stats, running, remaining, 0)
-            entry.next = (policy.lengths[int(index)], bool(probe), self.every)
+            first = jax.device_get(first_choice(policy, stats, running, remaining, jnp.int32(0)))
+            entry.next = (policy.lengths[int(first.index)], bool(first.probe), int(first.until_probe))
         chosen, probe, until_probe = entry.next
         t = chosen
         if entry.key is not None and self.schedule is None and not probe:

@@ -148,7 +148,7 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
             ran.append(t)
         remaining = jnp.asarray([max(n - pos, 0)])
         choice, probe = adaptive.choose(policy, stats, running, remaining, rounds)
-        until_probe = max(int(np.min(np.asarray(stats.wait - stats.idle))), 1)
+        until_probe = max(int(np.min(np.asarray(adaptive.waits(policy, stats) - stats.idle))), 1)  # as segment() does
     return {"seconds": seconds, "rounds": rounds, "lengths": ran}
 
 
@@ -160,15 +160,17 @@ def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
     return float(best[1])
 
 
-VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, rounds between decisions, fold)
-    "auto": ({}, decoder.DECIDE_EVERY, False),
-    "auto, probes as the last plain round": ({}, decoder.DECIDE_EVERY, True),
-    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY, False),
-    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY, False),
-    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY, False),
-    "auto, decide every 8": ({}, 8, False),
-    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY, False),
-    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY, False),
+VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, rounds between decisions, fold, peek)
+    "auto": ({}, decoder.DECIDE_EVERY, False, True),
+    "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, False, False),
+    "auto, probes priced without their launches": ({"PROBE_LAUNCHES": 0.0}, decoder.DECIDE_EVERY, False, True),
+    "auto, probes as the last plain round": ({}, decoder.DECIDE_EVERY, True, True),
+    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY, False, True),
+    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY, False, True),
+    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY, False, True),
+    "auto, decide every 8": ({}, 8, False, True),
+    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY, False, True),
+    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY, False, True),
 }
 
 
@@ -277,10 +279,11 @@ def main() -> None:
     for t in [t for t in lengths if t > 1]:
         for p, trace in zip(prompts, traces):
             record(f"fixed {t}", p.domain, simulate(trace, n, costs, fixed=t)["seconds"])
-    for name, (constants, every, fold) in VARIANTS.items():
+    for name, (constants, every, fold, peeks) in VARIANTS.items():
         with policy_constants(**constants):
             for p, trace in zip(prompts, traces):
-                record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek, host=host, fold=fold)["seconds"])
+                record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek if peeks else None, host=host,
+                                                fold=fold)["seconds"])  # fmt: skip
     for p, trace in zip(prompts, traces):
         record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
     summary = print_table(rows, prompts)

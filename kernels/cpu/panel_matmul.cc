@@ -1,10 +1,17 @@
 // out[M, N] = x[M, K] @ W for few rows M (a decode step, a verify block), float32, on the CPU.
 //
 // W arrives packed in panels of 16 columns, [N / 16, K, 16] (prepared once at load time), so each panel is one
-// contiguous stream: the kernel reads two panels at a time once per group of up to 8 rows, keeping the group's
-// 8 × 32 partial sums in vector registers (each x element loaded once for both panels). XLA:CPU's general
-// matmul packs W on every call for M > 1, which is what makes a verify of a few tokens cost far more than a
-// one-token step.
+// contiguous stream: the kernel reads a few panels at a time once per group of up to 8 rows, keeping the group's
+// partial sums in vector registers (each x element broadcast once for all of them). XLA:CPU's general matmul
+// packs W on every call for M > 1, which is what makes a verify of a few tokens cost far more than a one-token
+// step.
+//
+// How many panels at a time, and the prefetch: a row of 16 lanes is one cache line per k, so a pass is as fast
+// as its streams arrive. Four streams (three for 5–8 rows: 24 accumulators, the most that fit 32 registers
+// beside the panels' lanes) keep more lines in flight than two, and a software prefetch kAhead lines ahead hides
+// the latency the multiply-adds of several rows no longer cover. Measured on a 2-core AVX-512 Xeon over
+// SmolLM2-135M's products (experiments/adaptive/RESULTS.md, 2026-12-06 fourth run): from two panels without
+// prefetch, 1 / 4 / 8 rows 6 / 16 / 21 % faster.
 //
 // Every output element is the sum over k = 0 … K-1, in that order, of x[m, k] · W[k, n] (one multiply-add
 // each): the same operations whatever M is and whichever group a row falls in, so a row's result is the same
@@ -22,53 +29,44 @@ namespace ffi = xla::ffi;
 
 constexpr int64_t kPanel = 16;  // columns per panel
 constexpr int kGroup = 8;       // rows per pass over a panel
+constexpr int64_t kAhead = 64;  // cache lines (values of k) each stream is prefetched ahead
 typedef float Lanes __attribute__((vector_size(kPanel * sizeof(float))));
 
-template <int R>
-static inline void Rows(const float* __restrict x, const float* __restrict panel, float* __restrict out,
-                        int64_t k_dim, int64_t n_dim) {
-  Lanes acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Lanes{};
+// R rows against P consecutive panels: one broadcast of x[r, k] feeds all P.
+template <int R, int P>
+static inline void Panels(const float* __restrict x, const float* __restrict panel, float* __restrict out,
+                          int64_t k_dim, int64_t n_dim) {
+  const int64_t stride = k_dim * kPanel;
+  Lanes acc[P][R];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) acc[p][r] = Lanes{};
   for (int64_t k = 0; k < k_dim; ++k) {
-    Lanes w;
-    std::memcpy(&w, panel + k * kPanel, sizeof(Lanes));
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] += x[r * k_dim + k] * w;
-  }
-  for (int r = 0; r < R; ++r) std::memcpy(out + r * n_dim, &acc[r], sizeof(Lanes));
-}
-
-// Two panels at once: one broadcast of x[r, k] feeds both (the loads, not the multiply-adds, limit wide blocks).
-template <int R>
-static inline void Rows2(const float* __restrict x, const float* __restrict p0, const float* __restrict p1,
-                         float* __restrict out, int64_t k_dim, int64_t n_dim) {
-  Lanes a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = Lanes{};
-  for (int64_t k = 0; k < k_dim; ++k) {
-    Lanes w0, w1;
-    std::memcpy(&w0, p0 + k * kPanel, sizeof(Lanes));
-    std::memcpy(&w1, p1 + k * kPanel, sizeof(Lanes));
+    Lanes w[P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      __builtin_prefetch(panel + p * stride + (k + kAhead) * kPanel);
+      std::memcpy(&w[p], panel + p * stride + k * kPanel, sizeof(Lanes));
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * k_dim + k];
-      a0[r] += xr * w0;
-      a1[r] += xr * w1;
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) acc[p][r] += xr * w[p];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    std::memcpy(out + r * n_dim, &a0[r], sizeof(Lanes));
-    std::memcpy(out + r * n_dim + kPanel, &a1[r], sizeof(Lanes));
-  }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) std::memcpy(out + r * n_dim + p * kPanel, &acc[p][r], sizeof(Lanes));
 }
 
-// Rows [m, m + R) against panels [first, last).
+// Rows [m, m + R) against panels [first, last): four panels at a time (three for more than 4 rows), then the rest.
 template <int R>
 static inline void Group(const float* x, const float* ws, float* os, int64_t k_dim, int64_t n_dim, int64_t first,
                          int64_t last) {
+  constexpr int kWide = R <= 4 ? 4 : 3;
   int64_t p = first;
-  for (; p + 2 <= last; p += 2)
-    Rows2<R>(x, ws + p * k_dim * kPanel, ws + (p + 1) * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
-  if (p < last) Rows<R>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
+  for (; p + kWide <= last; p += kWide) Panels<R, kWide>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
+  for (; p + 2 <= last; p += 2) Panels<R, 2>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
+  if (p < last) Panels<R, 1>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
 }
 
 static void Span(const float* xs, const float* ws, float* os, int64_t m_dim, int64_t k_dim, int64_t n_dim,
