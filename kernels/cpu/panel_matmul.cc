@@ -11,7 +11,7 @@
 // beside the panels' lanes) keep more lines in flight than two, and a software prefetch kAhead lines ahead hides
 // the latency the multiply-adds of several rows no longer cover. Measured on a 2-core AVX-512 Xeon over
 // SmolLM2-135M's products (experiments/adaptive/RESULTS.md, 2026-12-06 fourth run): from two panels without
-// prefetch, 1 / 4 / 8 rows 6 / 16 / 21 % faster.
+// prefetch, the products of 1 / 4 / 8 rows ~5 / 16 / 22 % faster.
 //
 // Every output element is the sum over k = 0 … K-1, in that order, of x[m, k] · W[k, n] (one multiply-add
 // each): the same operations whatever M is and whichever group a row falls in, so a row's result is the same
