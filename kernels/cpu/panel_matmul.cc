@@ -7,11 +7,11 @@
 // step.
 //
 // How many panels at a time, and the prefetch: a row of 16 lanes is one cache line per k, so a pass is as fast
-// as its streams arrive. Four streams (three for 5–8 rows: 24 accumulators, the most that fit 32 registers
-// beside the panels' lanes) keep more lines in flight than two, and a software prefetch kAhead lines ahead hides
-// the latency the multiply-adds of several rows no longer cover. Measured on a 2-core AVX-512 Xeon over
-// SmolLM2-135M's products (experiments/adaptive/RESULTS.md, 2026-12-06 fourth run): from two panels without
-// prefetch, the products of 1 / 4 / 8 rows ~5 / 16 / 22 % faster.
+// as its streams arrive. With AVX-512, four streams (three for 5–8 rows: 24 accumulators, the most that fit 32
+// registers beside the panels' lanes) keep more lines in flight than two, and a software prefetch kAhead lines
+// ahead hides the latency the multiply-adds of several rows no longer cover. Measured on a 2-core AVX-512 Xeon
+// over SmolLM2-135M's products (experiments/adaptive/RESULTS.md, 2026-12-06 fourth run): from two panels
+// without prefetch, the products of 1 / 4 / 8 rows ~5 / 16 / 22 % faster.
 //
 // Every output element is the sum over k = 0 … K-1, in that order, of x[m, k] · W[k, n] (one multiply-add
 // each): the same operations whatever M is and whichever group a row falls in, so a row's result is the same
@@ -30,6 +30,11 @@ namespace ffi = xla::ffi;
 constexpr int64_t kPanel = 16;  // columns per panel
 constexpr int kGroup = 8;       // rows per pass over a panel
 constexpr int64_t kAhead = 64;  // cache lines (values of k) each stream is prefetched ahead
+#if defined(__AVX512F__)
+constexpr int kWideFew = 4, kWideMany = 3;  // panels per pass for ≤ 4 rows, for 5–8: 32 registers of 16 lanes
+#else
+constexpr int kWideFew = 2, kWideMany = 2;  // 16 registers of 8 or 4 lanes: two panels, as before (not re-tuned)
+#endif
 typedef float Lanes __attribute__((vector_size(kPanel * sizeof(float))));
 
 // R rows against P consecutive panels: one broadcast of x[r, k] feeds all P.
@@ -58,11 +63,11 @@ static inline void Panels(const float* __restrict x, const float* __restrict pan
     for (int r = 0; r < R; ++r) std::memcpy(out + r * n_dim + p * kPanel, &acc[p][r], sizeof(Lanes));
 }
 
-// Rows [m, m + R) against panels [first, last): four panels at a time (three for more than 4 rows), then the rest.
+// Rows [m, m + R) against panels [first, last): kWideFew or kWideMany panels at a time, then the rest.
 template <int R>
 static inline void Group(const float* x, const float* ws, float* os, int64_t k_dim, int64_t n_dim, int64_t first,
                          int64_t last) {
-  constexpr int kWide = R <= 4 ? 4 : 3;
+  constexpr int kWide = R <= 4 ? kWideFew : kWideMany;
   int64_t p = first;
   for (; p + kWide <= last; p += kWide) Panels<R, kWide>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
   for (; p + 2 <= last; p += 2) Panels<R, 2>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
