@@ -238,16 +238,22 @@ def load_study(args: argparse.Namespace):
     return prompts, target, proposer, lengths, costs, peek
 
 
+NEVER = "never right"  # a drafter whose proposals are never accepted (a trace of zeros), apart from "all"
+
+
 def print_table(rows: dict[str, dict[str, list[float]]], prompts) -> dict[str, dict[str, float]]:
-    """Print ``{policy: {domain: [× AR per prompt]}}`` as a markdown table; returns the means."""
+    """Print ``{policy: {domain: [× AR per prompt]}}`` as a markdown table (a ``NEVER`` column, where a policy
+    has one, after "all" and not in it); returns the means."""
     domains = list(dict.fromkeys(p.domain for p in prompts))
-    print("| policy | " + " | ".join(domains) + " | all |")
-    print("|---" * (len(domains) + 2) + "|")
+    extra = [NEVER] if any(NEVER in by for by in rows.values()) else []
+    print("| policy | " + " | ".join(domains + ["all"] + extra) + " |")
+    print("|---" * (len(domains) + len(extra) + 2) + "|")
     summary = {}
     for name, by in rows.items():
         cells = [float(np.mean(by[d])) for d in domains] + [float(np.mean([x for d in domains for x in by[d]]))]
-        summary[name] = dict(zip(domains + ["all"], cells))
-        print(f"| {name} | " + " | ".join(f"{c:.2f}×" for c in cells) + " |")
+        cells += [float(np.mean(by[d])) if d in by else float("nan") for d in extra]
+        summary[name] = dict(zip(domains + ["all"] + extra, cells))
+        print(f"| {name} | " + " | ".join("–" if np.isnan(c) else f"{c:.2f}×" for c in cells) + " |")
     return summary
 
 
@@ -279,9 +285,10 @@ def main() -> None:
     for t in [t for t in lengths if t > 1]:
         for p, trace in zip(prompts, traces):
             record(f"fixed {t}", p.domain, simulate(trace, n, costs, fixed=t)["seconds"])
+    never = argparse.Namespace(domain=NEVER, source="no proposal ever accepted")  # what probing costs
     for name, (constants, every, fold, peeks) in VARIANTS.items():
         with policy_constants(**constants):
-            for p, trace in zip(prompts, traces):
+            for p, trace in [*zip(prompts, traces), (never, [0] * n)]:
                 record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek if peeks else None, host=host,
                                                 fold=fold)["seconds"])  # fmt: skip
     for p, trace in zip(prompts, traces):
