@@ -195,10 +195,11 @@ def test_watchdog_fires_only_past_its_timeout():
 
 
 def test_the_runtime_outwaits_the_watchdog():
-    """JAX aborts a process whose peer is silent past its heartbeat timeout (no 503, no clean exit): the
-    server's watchdog must fire first, whatever ``--peer-timeout`` says."""
+    """JAX aborts a process whose peer is silent past its heartbeat timeout (no 503, no clean exit), and may
+    call a peer dead as early as half that timeout after its death: the server's watchdog must fire first,
+    whatever ``--peer-timeout`` says."""
     for peer_timeout in (1, PEER_TIMEOUT_S, replica.DEFAULT_PEER_TIMEOUT_S, 3600):
-        assert replica.heartbeat_timeout(peer_timeout) >= peer_timeout + 30
+        assert replica.heartbeat_timeout(peer_timeout) / 2 >= peer_timeout + 30
 
 
 def test_exchange_is_the_message_itself_in_one_process():

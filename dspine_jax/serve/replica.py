@@ -49,8 +49,11 @@ def heartbeat_timeout(peer_timeout: int) -> int:
     """The runtime's heartbeat timeout for a server whose watchdog waits ``peer_timeout`` seconds. A peer the
     runtime stops hearing from aborts the process outright (no 503, no clean exit), so it must outlast the
     watchdog, which ends the requests in flight first (a peer that dies while gloo first connects a group of
-    devices breaks no collective: only one of these two timers sees it)."""
-    return max(distributed.DEFAULT_HEARTBEAT_SECONDS, peer_timeout + 60)
+    devices breaks no collective: only one of these two timers sees it). The runtime can call a peer dead as
+    early as half its timeout after the death (seen: a killed follower declared dead ~80 s after the kill with
+    the timeout at 150 s, its last heartbeat having come well before the kill), so half of it outlasts the
+    watchdog by a minute."""
+    return max(distributed.DEFAULT_HEARTBEAT_SECONDS, 2 * (peer_timeout + 60))
 
 
 class PeerFailure(RuntimeError):
