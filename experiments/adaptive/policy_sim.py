@@ -124,13 +124,12 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
     policy = adaptive.make_policy(lengths, costs)
     stats = adaptive.init_state(1, max(lengths))
     running, pos, seconds, rounds, ran = jnp.ones((1,), bool), 1, 0.0, 0, []
-    choice, probe = adaptive.choose(policy, stats, running, jnp.asarray([n - pos]), 0)
-    until_probe = adaptive.FIRST_WAIT
+    choice = decoder.choose(policy, stats, running, jnp.asarray([n - pos]), 0)  # the device's rule, as Decoder.plan
     while pos < n:
-        t = fixed or lengths[int(choice)]
-        peeking = peek is not None and not fixed and adaptive.peeks(t, bool(probe), greedy=True)
-        folded = fold and peek is not None and not fixed and t == 1 and not bool(probe)
-        segment = 1 if fixed or bool(probe) else until_probe + folded if t == 1 else every
+        t, probe = fixed or lengths[int(choice.index)], bool(choice.probe)
+        peeking = peek is not None and not fixed and adaptive.peeks(t, probe, greedy=True)
+        folded = fold and peek is not None and not fixed and t == 1 and not probe
+        segment = 1 if fixed or probe else int(choice.until_probe) + folded if t == 1 else every
         seconds += 0.0 if fixed else host
         for i in range(segment):
             if pos >= n:
@@ -146,9 +145,7 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
             stats = adaptive.update(stats, jnp.int32(t), jnp.asarray([step - 1]), running)
             pos, seconds, rounds = pos + step, seconds + costs[t], rounds + 1
             ran.append(t)
-        remaining = jnp.asarray([max(n - pos, 0)])
-        choice, probe = adaptive.choose(policy, stats, running, remaining, rounds)
-        until_probe = max(int(np.min(np.asarray(adaptive.waits(policy, stats) - stats.idle))), 1)  # as segment() does
+        choice = decoder.choose(policy, stats, running, jnp.asarray([max(n - pos, 0)]), rounds)
     return {"seconds": seconds, "rounds": rounds, "lengths": ran}
 
 
