@@ -10,34 +10,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-from switch_cost import fresh, heldout_prompt  # this folder is on sys.path when run
+from round_cost import segment_seconds  # this folder is on sys.path when run
+from switch_cost import heldout_prompt
 
 from dspine_jax.bench import machine_info
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.autoregressive import generate
-from dspine_jax.decoding.decoder import run_segment
 from dspine_jax.decoding.proposers import NoProposer, as_proposer
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import load_draft
 from dspine_jax.models.target import load_target
 
-ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (1, 2, 4, 8)
 
 
 def plain_round_seconds(target, proposer, prompt: list[int], rounds: int) -> float:
     """Seconds per round of one segment of ``rounds`` plain rounds under the adaptive policy (statistics kept)."""
-    carry, stop = fresh(target, proposer, prompt, rounds + 8, max(LENGTHS))
-    policy, max_rounds = adaptive.make_policy(LENGTHS, dict.fromkeys(LENGTHS, 1.0)), jnp.int32(rounds)
-    begin = time.perf_counter()
-    out = run_segment(target, proposer, *carry, stop, max_rounds, policy, verify_len=1, greedy=True)
-    jax.device_get((out[2], out[1].iterations))
-    return (time.perf_counter() - begin) / rounds
+    policy = adaptive.make_policy(LENGTHS, dict.fromkeys(LENGTHS, 1.0))
+    return segment_seconds(target, proposer, prompt, 1, False, rounds, max(LENGTHS), policy)
 
 
 def main() -> None:

@@ -29,10 +29,12 @@ from dspine_jax.models.target import load_target
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def segment_seconds(target, proposer, prompt: list[int], t: int, peek: bool, rounds: int, t_max: int) -> float:
-    """Seconds per round of one segment of ``rounds`` rounds at verify length ``t`` after a fresh prefill."""
+def segment_seconds(target, proposer, prompt: list[int], t: int, peek: bool, rounds: int, t_max: int,
+                    policy: adaptive.VerifyPolicy | None = None) -> float:
+    """Seconds per round of one segment of ``rounds`` rounds at verify length ``t`` after a fresh prefill, under
+    ``policy`` (None: the fixed length ``t``, no statistics kept)."""
     carry, stop = fresh(target, proposer, prompt, rounds * t + 8, t_max)
-    policy, max_rounds = adaptive.fixed_policy(t), jnp.int32(rounds)
+    policy, max_rounds = policy or adaptive.fixed_policy(t), jnp.int32(rounds)
     begin = time.perf_counter()
     out = run_segment(target, proposer, *carry, stop, max_rounds, policy, verify_len=t, greedy=True, peek=peek)
     jax.device_get((out[2], out[1].iterations))
