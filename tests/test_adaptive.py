@@ -197,12 +197,17 @@ def llama(tiny_models):
     return target, reference
 
 
-def run_oracle(target, reference, accept: list[int], max_new: int = 120, costs=COSTS):
-    """Greedy decoding with an oracle that proposes ``accept[r]`` correct tokens in round r, then a wrong one."""
+def oracle(target, reference: list[int], accept: list[int]) -> OracleProposer:
+    """An oracle that proposes ``accept[r]`` tokens of ``reference`` in round r (cyclic), then a wrong one."""
     ref = np.zeros((1, 160), np.int32)
     ref[0, : len(reference)] = reference
-    proposer = OracleProposer(reference=jnp.asarray(ref), accept=jnp.asarray([accept], jnp.int32),
-                              vocab_size=target.config.vocab_size)  # fmt: skip
+    return OracleProposer(reference=jnp.asarray(ref), accept=jnp.asarray([accept], jnp.int32),
+                          vocab_size=target.config.vocab_size)  # fmt: skip
+
+
+def run_oracle(target, reference, accept: list[int], max_new: int = 120, costs=COSTS):
+    """Greedy decoding with an oracle that proposes ``accept[r]`` correct tokens in round r, then a wrong one."""
+    proposer = oracle(target, reference, accept)
     result = speculative_generate(target, proposer, [PROMPT], max_new, stop_ids=[], verify_costs=costs)
     assert result.token_ids[0] == reference[:max_new]  # whatever the lengths, greedy output is the target's
     return result.verify_lengths[0]
@@ -268,10 +273,7 @@ def test_a_prior_that_makes_one_length_look_cheap_is_explored_away(llama, costs_
     # A cached prior says T = 2 costs a tenth of the rest: without exploration every round would verify 2
     # (nothing else would ever be timed). The next longer length gets its segments, and the cache records them.
     target, reference = llama
-    ref = np.zeros((1, 160), np.int32)
-    ref[0, : len(reference)] = reference
-    proposer = OracleProposer(reference=jnp.asarray(ref), accept=jnp.full((1, 64), 99, jnp.int32),
-                              vocab_size=target.config.vocab_size)  # fmt: skip
+    proposer = oracle(target, reference, [99] * 64)
     lengths = adaptive.candidate_lengths(None)
     key = adaptive.costs_key(target, "OracleProposer", 1, lengths)
     adaptive.store_costs(key, {1: 0.01, 2: 0.001, 4: 0.02, 8: 0.02, 16: 0.02})
@@ -303,8 +305,7 @@ def test_a_runs_first_segment_waits_as_long_as_its_prior_says(llama):
     """The host's first choice of a run is the device's rule (``decoder.choose``): rows that start from a prior
     whose wait is 16 run 16 plain rounds in their first segment before a probe, not a decision's 4."""
     target, _ = llama
-    proposer = OracleProposer(reference=jnp.zeros((1, 160), jnp.int32), accept=jnp.zeros((1, 64), jnp.int32),
-                              vocab_size=target.config.vocab_size)  # fmt: skip
+    proposer = oracle(target, [], [0] * 64)
     dear = {1: 1.0, 2: 1.9, 4: 2.2, 8: 2.6, 16: 3.5}  # a probe this dear may wait up to MAX_WAIT
     decoder = Decoder(target, proposer, verify_costs=dear)
     never = adaptive.Prior(jnp.zeros((15,)), jnp.full((15,), 2.0), jnp.int32(16))  # two misses per slot
