@@ -157,9 +157,9 @@ def _release_compiled_programs():
 @pytest.fixture(autouse=True)
 def _fresh_priors():
     """Each test starts its runs from nothing observed: ``speculative_generate`` carries acceptance statistics
-    from one run to the next of the same target and drafter (``adaptive.Prior``), which would make a test's
-    lengths depend on the tests before it."""
-    from dspine_jax.decoding.decoder import forget_priors
+    from one run to the next of the same target and drafter (``adaptive.Prior``), and which lengths' first
+    segments ran (not timed), which would make a test's lengths depend on the tests before it."""
+    from dspine_jax.decoding.decoder import forget
 
-    forget_priors()
+    forget()
     yield

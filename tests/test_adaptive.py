@@ -235,16 +235,54 @@ def test_policy_tracks_the_acceptance(llama):
     assert climbed and climbed[0] <= 12 + adaptive.FIRST_WAIT * 8, lengths
 
 
+def segments_of(monkeypatch, run) -> list[tuple[int, bool, int]]:
+    """``(verify length, peek, rounds)`` of every segment ``speculative_generate`` launches while ``run()`` runs."""
+    from dspine_jax.decoding import speculative
+
+    launched, segment = [], speculative.run_segment
+
+    class Counting:  # run_segment, recording each launch (``lower`` for the compile ahead)
+        lower = staticmethod(segment.lower)
+
+        def __call__(self, *args, verify_len: int, greedy: bool, peek: bool = False):
+            before = int(args[3].iterations)
+            out = segment(*args, verify_len=verify_len, greedy=greedy, peek=peek)
+            launched.append((verify_len, peek, int(out[1].iterations) - before))
+            return out
+
+    monkeypatch.setattr(speculative, "run_segment", Counting())
+    run()
+    return launched
+
+
+def test_a_choice_that_holds_and_a_probe_cost_no_launch_of_their_own(llama, monkeypatch):
+    """Drafted rounds the policy keeps choosing stay in one segment (it decides after every round from the
+    DECIDE_EVERY-th on, on the device); a peek's segment goes on with the plain rounds up to the next probe."""
+    target, reference = llama
+    always = segments_of(monkeypatch, lambda: run_oracle(target, reference, [99] * 64))
+    # The first round drafts on the prior (a probe), the next decision picks 16 and holds for the 7 rounds that fit
+    # the budget (119 tokens); the round after it verifies what is left.
+    assert len(always) == 3 and always[1] == (16, False, 7) and always[2][2] == 1, always
+    # Never right, probes dear enough to wait up to MAX_WAIT: the first segment waits FIRST_WAIT plain rounds, then
+    # each probe is a peek followed, in its segment, by the doubled wait of plain rounds (the last cut by the budget).
+    dear = {1: 1.0, 2: 1.9, 4: 2.2, 8: 2.6, 16: 3.5}
+    never = segments_of(monkeypatch, lambda: run_oracle(target, reference, [0] * 80, max_new=80, costs=dear))
+    waits = [adaptive.FIRST_WAIT * 2**k for k in range(1, 4)]  # 8, 16, 32; then 64, cut by the budget (79 rounds)
+    last = 79 - adaptive.FIRST_WAIT - sum(1 + w for w in waits)
+    assert never == [(1, False, adaptive.FIRST_WAIT)] + [(1, True, 1 + w) for w in waits] + [(1, True, last)], never
+
+
 def test_greedy_probes_peek_instead_of_verifying_two_tokens(llama):
     """Where drafting looks too dear on the prior alone (rounds start plain), the first probe is a peek: a plain
     round whose one-token draft is compared with the emitted token. An oracle that is always right is found
-    by it, and the policy drafts long blocks from the next decision on; no round ever verifies 2 tokens."""
+    by it, and the policy drafts long blocks from the next decision on; no probe verifies 2 tokens."""
     target, reference = llama
     dear = {1: 1.0, 2: 1.9, 4: 2.2, 8: 2.6, 16: 3.5}  # at the prior (a coin flip per slot) T = 1 pays best
     lengths = run_oracle(target, reference, [99] * 64, costs=dear)
     first = next(r for r, t in enumerate(lengths) if t > 1)
     assert lengths[:first] == [1] * first and first == adaptive.FIRST_WAIT + 1, lengths
-    assert 2 not in lengths and lengths[first] >= 8, lengths
+    # (The last round may verify 2: two tokens were left, and the policy decides after every drafted round.)
+    assert 2 not in lengths[:-1] and lengths[first] >= 8, lengths
     # Nothing accepted: the peeks find nothing and thin out; every round is plain.
     assert set(run_oracle(target, reference, [0] * 64, costs=dear)) == {1}
 
@@ -271,7 +309,8 @@ def test_costs_are_measured_once_and_cached(llama, costs_file):
 
 def test_a_prior_that_makes_one_length_look_cheap_is_explored_away(llama, costs_file):
     # A cached prior says T = 2 costs a tenth of the rest: without exploration every round would verify 2
-    # (nothing else would ever be timed). The next longer length gets its segments, and the cache records them.
+    # (nothing else would ever be timed). The next longer length gets its segments, and the cache records them;
+    # then the policy returns to T = 2 (its prior scaled like the timed lengths: still the cheapest).
     target, reference = llama
     proposer = oracle(target, reference, [99] * 64)
     lengths = adaptive.candidate_lengths(None)
@@ -282,7 +321,7 @@ def test_a_prior_that_makes_one_length_look_cheap_is_explored_away(llama, costs_
     ran = result.verify_lengths[0]
     assert ran.count(4) >= (adaptive.EXPLORE_SAMPLES + 1) * DECIDE_EVERY, ran
     _, segments = adaptive.load_cost_entry(key)
-    assert segments[4] >= adaptive.EXPLORE_SAMPLES and segments[2] >= 1
+    assert segments[4] >= adaptive.EXPLORE_SAMPLES and ran[-1] == 2, ran
 
 
 def test_a_run_starts_from_what_the_last_run_of_its_drafter_measured(llama):
@@ -319,11 +358,11 @@ def test_a_runs_first_segment_waits_as_long_as_its_prior_says(llama):
 
 def test_the_probe_wait_is_capped_by_what_a_probe_costs():
     """Spread over the plain rounds before it, a probe's extra cost (at most a round of PROBE_LENGTH over a plain
-    one, and the launches of the segments it makes: PROBE_LAUNCHES) stays within PROBE_BUDGET: cheap probes come
+    one, and the launch of the segment it makes: PROBE_LAUNCHES) stays within PROBE_BUDGET: cheap probes come
     every few tens of rounds whatever the doubled wait says, dear ones as rarely as MAX_WAIT."""
     cheap = adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 1.15, 4: 1.3})
     cap = math.ceil((0.15 + adaptive.PROBE_LAUNCHES) / adaptive.PROBE_BUDGET - 1e-9)
-    assert adaptive.FIRST_WAIT < cap < adaptive.MAX_WAIT and int(adaptive.wait_cap(cheap)) == cap  # 24
+    assert adaptive.FIRST_WAIT < cap < adaptive.MAX_WAIT and int(adaptive.wait_cap(cheap)) == cap  # 17
     assert int(adaptive.wait_cap(adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 3.0, 4: 3.5}))) == adaptive.MAX_WAIT
     free = adaptive.make_policy((1, 2), {1: 1.0, 2: 1.0})  # a probe's round as cheap as a plain one: its launches
     assert int(adaptive.wait_cap(free)) == math.ceil(adaptive.PROBE_LAUNCHES / adaptive.PROBE_BUDGET - 1e-9)
@@ -339,7 +378,7 @@ def test_the_probe_wait_is_capped_by_what_a_probe_costs():
 
 def test_a_drafter_that_starts_right_late_is_found_within_the_cap(llama):
     """Nothing accepted for 80 rounds (the waits double past the cap), then everything: with probes that cost
-    15 % of a plain round the policy finds it within the cap (24 rounds) and a decision, where doubling alone
+    15 % of a plain round the policy finds it within the cap (17 rounds) and a decision, where doubling alone
     would next look ~64 rounds after its previous probe (round ~69, then ~134)."""
     target, _ = llama
     reference = generate(target, [PROMPT], 150, stop_ids=[]).token_ids[0]

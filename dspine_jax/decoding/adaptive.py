@@ -21,13 +21,14 @@ Two parts, both small:
   ``argmax_T Σ_running E_b(T) / cost(T)``. ``T = 1`` stops drafting; after ``wait`` such rounds a
   **probe** (one round at ``PROBE_LENGTH``) refreshes the estimates, and every probe that brings no
   accepted token doubles the row's wait, so a useless drafter costs almost nothing. The wait is capped by
-  what a probe costs (``wait_cap``: its round and the launches of the segments it makes): probes stay within
+  what a probe costs (``wait_cap``: its round and the launch of the segment it makes): probes stay within
   ``PROBE_BUDGET`` of the plain rounds between them, so a cheap drafter that is right half the time is probed every
   ~25 rounds, not once a request after two unlucky misses (seen: a drafter at τ 1.9 on a text never drafted on
   it, its two probes having missed).
   Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``round.speculative_round(peek=True)``):
   a plain round plus a one-token draft, recorded as the round at ``PROBE_LENGTH`` it stands for, so a
-  probe costs a draft rather than a wider verify.
+  probe costs a draft rather than a wider verify; the plain rounds up to the next probe run in the peek's
+  segment (``decoder.segment``).
 * **Carried prior** (``Prior``): a request does not start from the coin flip when earlier requests of the
   process ran the same target and drafter: its rows start from what those requests' rows measured (``carried``:
   their pooled counts, scaled to ``CARRY_WEIGHT`` observations, and their shortest probe wait, which
@@ -68,8 +69,8 @@ PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a
 PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round
 FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
 PROBE_BUDGET = 0.015  # a probe's extra cost over a plain round, spread over the plain rounds before it (wait_cap)
-PROBE_LAUNCHES = 0.2  # plain rounds a probe's launches add: it is a segment of its own and splits the plain rounds around
-# it in two (a launch and its read-back measured ~0.09 of a plain round on a 2-core CPU)
+PROBE_LAUNCHES = 0.1  # plain rounds a probe's launch adds: the plain rounds after it run in its segment, so each probe
+# makes one segment more (a launch and its read-back measured ~0.09 of a plain round on a 2-core CPU)
 CARRY_WEIGHT = 2.0  # a prior carried from earlier requests counts as this many observations of the first slot
 PRIOR_SAMPLES, RECENT = 3, 32  # a measured (or cached) cost counts as 3 timed segments; the last 32 count
 EXPLORE_SAMPLES = PRIOR_SAMPLES + 1  # timed segments (over runs) a drafted length needs before only the policy
@@ -222,7 +223,7 @@ def choose(
 
 def wait_cap(policy: VerifyPolicy) -> Array:
     """The longest wait between two probes (int32 scalar): a probe costs at most a round at ``PROBE_LENGTH``
-    more than a plain round (a peek costs about as much: the same draft, no wider verify) and two launches
+    more than a plain round (a peek costs about as much: the same draft, no wider verify) and a launch
     (``PROBE_LAUNCHES``), and that extra, spread over the plain rounds before the probe, stays within
     ``PROBE_BUDGET`` of their cost — a cheap drafter is probed every few tens of rounds, a dear one as rarely as
     ``MAX_WAIT``."""
@@ -404,23 +405,26 @@ class CostEstimate:
     costs, dispatch and the policy's choice included). Each length's estimate is the median of its last
     ``RECENT`` per-round samples and ``PRIOR_SAMPLES`` copies of its prior — a median, because one slow
     segment (the machine busy for a moment) must not flip the choice. The first segment of each length is
-    not counted: the first run of a compiled program pays one-time costs (with cached costs nothing ran
-    it before). A length not run yet keeps its prior scaled by the median ratio seen on the lengths that
+    not counted: the first run of a compiled program pays one-time costs (measured: ~0.1 s on a 2-core CPU,
+    on the device, after compiling ahead). ``ran``: the lengths whose first segment already ran, shared by the
+    estimates of one process (``speculative_generate`` makes one per request, and with segments that last while
+    the policy's choice holds, a request may run a length once). A length not run yet keeps its prior scaled by the median ratio seen on the lengths that
     ran: a machine that got busier slows every length alike, so the ratios the policy compares stay the
     measured ones. That scaling also carries a wrong prior along (a length measured too cheap stays the
     cheapest), hence ``explore``. ``segments {T: n}``: timed segments behind each prior (the cache's)."""
 
-    def __init__(self, prior: Mapping[int, float], segments: Mapping[int, int] | None = None):
+    def __init__(self, prior: Mapping[int, float], segments: Mapping[int, int] | None = None,
+                 ran: set[int] | None = None):  # fmt: skip
         self.prior = {int(t): float(s) for t, s in prior.items()}
         self.earlier = {t: int((segments or {}).get(t, 0)) for t in self.prior}
         self.samples: dict[int, collections.deque[float]] = {t: collections.deque(maxlen=RECENT) for t in self.prior}
-        self.first_seen: set[int] = set()
+        self.first_ran = set() if ran is None else ran
 
     def observe(self, length: int, seconds: float, rounds: int) -> None:
         if rounds <= 0 or length not in self.prior:
             return
-        if length not in self.first_seen:
-            self.first_seen.add(length)
+        if length not in self.first_ran:
+            self.first_ran.add(length)
             return
         self.samples[length].append(seconds / rounds)
 

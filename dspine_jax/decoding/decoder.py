@@ -83,24 +83,25 @@ class Transcript:
 def decode_rounds(
     target: tgt.Target, proposer: Proposer, state: DecodeState, transcript: Transcript, stop_ids: Array,
     max_rounds: Array | None = None, *, verify_len: int, greedy: bool, peek: bool = False, track: bool = True,
-    cut: VerifyPolicy | None = None,
+    cut: VerifyPolicy | None = None, until: Callable[[DecodeState, Array], Array] | None = None,
 ) -> tuple[DecodeState, Transcript]:
     """Rounds of ``verify_len`` tokens (``round.speculative_round``) until every row stops, or ``max_rounds``
     rounds (None: no limit), each written into ``transcript``. ``greedy``: every row is greedy (compiles out
     the sampling path); ``peek``: every round a peek; ``track``: keep the policy's statistics; ``cut``: the
-    adaptive policy, for drafters whose confidence may shorten a round."""
+    adaptive policy, for drafters whose confidence may shorten a round; ``until(state, iterations)``: also stop
+    after the first round at which it is true."""
     t = verify_len
     rows = jnp.arange(state.anchor.shape[0])
     slots = jnp.arange(t)[None, :]  # [1, T]
     end = None if max_rounds is None else transcript.iterations + max_rounds
 
-    def cond(carry: tuple[DecodeState, Transcript]) -> Array:
-        state, out = carry
-        alive = jnp.any(state.running)
+    def cond(carry: tuple[DecodeState, Transcript, Array]) -> Array:
+        state, out, done = carry
+        alive = jnp.any(state.running) & ~done
         return alive if end is None else alive & (out.iterations < end)
 
-    def body(carry: tuple[DecodeState, Transcript]) -> tuple[DecodeState, Transcript]:
-        state, out = carry
+    def body(carry: tuple[DecodeState, Transcript, Array]) -> tuple[DecodeState, Transcript, Array]:
+        state, out, _ = carry
         running = state.running
         state, result = speculative_round(target, proposer, state, stop_ids, verify_len=t, all_greedy=greedy,
                                           peek=peek, track=track, cut=cut)  # fmt: skip
@@ -116,9 +117,10 @@ def decode_rounds(
             lengths=out.lengths.at[rows, record].set(result.length, mode="drop"), rounds=out.rounds + running,
             iterations=out.iterations + 1,
         )
-        return state, out
+        return state, out, jnp.bool_(False) if until is None else until(state, out.iterations)
 
-    return jax.lax.while_loop(cond, body, (state, transcript))
+    state, transcript, _ = jax.lax.while_loop(cond, body, (state, transcript, jnp.bool_(False)))
+    return state, transcript
 
 
 @struct.dataclass
@@ -133,13 +135,36 @@ class Choice:
 
 def segment(
     target: tgt.Target, proposer: Proposer, state: DecodeState, transcript: Transcript, stop_ids: Array,
-    max_rounds: Array, policy: VerifyPolicy, *, verify_len: int, greedy: bool, peek: bool = False,
+    max_rounds: Array, policy: VerifyPolicy, decide_after: Array | None = None, *, verify_len: int, greedy: bool,
+    peek: bool = False,
 ) -> tuple[DecodeState, Transcript, Choice]:
     """``max_rounds`` rounds at ``verify_len`` (``decode_rounds``), then ``policy``'s next choice. A policy
-    of one length is a fixed verify length: no statistics are kept."""
+    of one length is a fixed verify length: no statistics are kept. ``peek`` (a greedy probe): one peek, then
+    the plain rounds until the next probe is due — none if the peek makes the policy draft — within
+    ``max_rounds`` in all: a probe costs no launch of its own.
+
+    ``decide_after`` (drafted rounds of an adaptive policy): after that many rounds the segment also ends as
+    soon as the policy, deciding after every round, would choose another length or a probe — a choice that
+    holds stays on the device instead of costing a launch and a read-back every ``DECIDE_EVERY`` rounds
+    (plain rounds need no such check: they change no estimate, and the host runs them until a probe is due)."""
     track = len(policy.lengths) > 1
+    if peek:  # a probe: the peek, then plain rounds until the next probe is due (none if the policy now drafts)
+        state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, jnp.int32(1), verify_len=1,
+                                          greedy=greedy, peek=True, track=track)  # fmt: skip
+        after = choose(policy, state.stats, state.running, state.remaining, transcript.iterations)
+        plain = jnp.where((after.index == policy.lengths.index(1)) & ~after.probe, after.until_probe, 0)
+        max_rounds, peek = jnp.minimum(plain, max_rounds - 1), False
+    until = None
+    if decide_after is not None and track and verify_len > 1 and not peek:
+        index, decide_at = policy.lengths.index(verify_len), transcript.iterations + decide_after
+
+        def until(s: DecodeState, iterations: Array) -> Array:
+            chosen, probe = adaptive.choose(policy, s.stats, s.running, s.remaining, iterations)
+            return (iterations >= decide_at) & ((chosen != index) | probe)
+
     state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, max_rounds, verify_len=verify_len,
-                                      greedy=greedy, peek=peek, track=track, cut=policy if track else None)  # fmt: skip
+                                      greedy=greedy, peek=peek, track=track, cut=policy if track else None,
+                                      until=until)  # fmt: skip
     return state, transcript, choose(policy, state.stats, state.running, state.remaining, transcript.iterations)
 
 
@@ -247,6 +272,8 @@ class Plan:
     policy: VerifyPolicy  # the policy choosing the segment after this one
     chosen: bool  # the policy's choice (its time refines the costs) — else fixed, pinned or calibrating
     calibrating: bool  # timed for the calibration
+    decide_after: int | None = None  # rounds after which the policy may end the segment by choosing otherwise
+    # (``segment``; None: it runs ``rounds``)
 
 
 @dataclasses.dataclass
@@ -261,11 +288,14 @@ class _Bucket:
 
 PRIOR_FINGERPRINT = 4096  # values of each of the first leaves that tell two drafters (or targets) apart
 _PRIORS: dict[str, adaptive.Prior] = {}  # the process's carried priors, per (device, target, drafter)
+_RAN: dict[str, set[int]] = {}  # per cost key: the lengths whose first segment this process ran (CostEstimate)
 
 
-def forget_priors() -> None:
-    """Drop every carried prior (the next run of each drafter starts from nothing observed)."""
+def forget() -> None:
+    """Drop what this process kept from earlier runs: every carried prior (the next run of each drafter starts
+    from nothing observed) and which lengths' first segments ran (the next first segment is not timed)."""
     _PRIORS.clear()
+    _RAN.clear()
 
 
 def _entry_template(lengths: Sequence[int]) -> tuple[dict[int, float], dict[int, int]]:
@@ -354,7 +384,8 @@ class Decoder:
             key = adaptive.costs_key(self.target, f"{self.scope}{self.proposer.tag}", bucket, self.candidates)
             # Several processes must choose alike: process 0's cache decides for all.
             cached = distributed.agree_optional(adaptive.load_cost_entry(key), _entry_template(self.candidates))
-            entry = _Bucket(key=key, estimate=adaptive.CostEstimate(*cached) if cached else None)
+            entry = _Bucket(key=key, estimate=adaptive.CostEstimate(*cached, ran=_RAN.setdefault(key, set()))
+                            if cached else None)  # fmt: skip
             if entry.estimate is None:
                 entry.calibration = Calibration(self.candidates)
         self._buckets[bucket] = entry
@@ -385,18 +416,20 @@ class Decoder:
     def _calibrated(self, entry: _Bucket) -> None:
         done = entry.calibration.costs()
         if done is not None:
-            entry.estimate = adaptive.CostEstimate(*done)
+            entry.estimate = adaptive.CostEstimate(*done, ran=_RAN.setdefault(entry.key, set()))
             adaptive.store_costs(entry.key, *done, measured_at=time.time())
 
     # -- the driver
     def plan(
         self, batch: int, bucket: int, stats: adaptive.PolicyState, running: Any, remaining: Any, *, greedy: bool,
-        max_rounds: int | None = None,
+        max_rounds: int | None = None, hold: bool = False,
     ) -> Plan:
         """The next segment for ``batch`` running rows in cost bucket ``bucket``: its length, rounds and policy.
         ``stats`` / ``running`` / ``remaining``: the rows' (host or device arrays; read only for the very
         first choice, later ones come from the device with the previous segment). ``greedy``: every running
-        row is greedy (a probe can then be a peek). ``max_rounds``: the caller's cap (None: none)."""
+        row is greedy (a probe can then be a peek). ``max_rounds``: the caller's cap (None: none). ``hold``: the
+        caller runs ``Plan.decide_after`` (``segment``), so drafted rounds the policy chose run, after
+        ``DECIDE_EVERY`` of them, for as long as the policy would choose them again."""
         cap = max_rounds or (1 << 30)
         if not self.candidates:
             t = self.forced_length or self.length_for(batch)
@@ -416,10 +449,17 @@ class Decoder:
         t = chosen
         if entry.key is not None and self.schedule is None and not probe:
             t = entry.estimate.explore(chosen)  # measured costs are corrected only by running a length
-        # Plain rounds the policy chose run until a probe is due; explored ones a whole segment (timed).
-        rounds = 1 if probe else until_probe if chosen == 1 and self.schedule is None else self.every
+        # Plain rounds the policy chose run until a probe is due; with ``hold``, drafted ones while the choice holds
+        # and a peek is followed by the plain rounds until the next probe (``segment``); explored ones a whole
+        # segment (timed).
         peek = adaptive.peeks(t, probe, greedy and self.schedule is None)
-        return Plan(1 if peek else t, min(cap, rounds), peek, policy, True, False)
+        held = hold and chosen > 1 and t == chosen and not probe and self.schedule is None
+        if probe:
+            rounds = cap if hold and peek else 1
+        else:
+            rounds = until_probe if chosen == 1 and self.schedule is None else cap if held else self.every
+        return Plan(1 if peek else t, min(cap, rounds), peek, policy, True, False,
+                    decide_after=self.every if held else None)  # fmt: skip
 
     def observe(self, bucket: int, plan: Plan, seconds: float, rounds: int, choice: Choice | None) -> None:
         """A segment ran ``rounds`` rounds in ``seconds`` and the device chose the next (``choice``, host values)."""

@@ -2,8 +2,9 @@
 
 ``speculative_generate`` plans the request (``planning.plan_request``: buckets, capacity, budgets), runs
 the prefill, and drives ``decoder.run_segment`` from the host: one segment for a fixed verify length (the
-whole loop on the device), or for ``verify="auto"`` segments of ``DECIDE_EVERY`` rounds at the length the
-policy chose at the end of the previous one (``Decoder.plan`` / ``observe``). Every program is compiled
+whole loop on the device), or for ``verify="auto"`` segments at the length the policy chose at the end of the
+previous one (``Decoder.plan`` / ``observe``): plain rounds until a probe is due, drafted ones for as long as
+the policy, deciding after every round from the ``DECIDE_EVERY``-th on, would choose them again. Every program is compiled
 (``CompileTimer``) before anything is timed, so results report compilation apart from prefill and decode.
 The round itself is ``round.speculative_round``; docs/ARCHITECTURE.md §4 walks through it.
 """
@@ -143,7 +144,7 @@ def speculative_generate(
                                                    **begin_kwargs)  # fmt: skip
     for t, peek in decoder.programs(greedy):  # one program per length (and the peek), before the clock runs
         clock.compile(run_segment, target, proposer, state, transcript, stop_array, jnp.int32(1),
-                      decoder.policy(t), verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
+                      decoder.policy(t), jnp.int32(1), verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
     calibration = 0.0
     if decoder.needs_calibration(batch):
         no_stops = jnp.full_like(stop_array, -1)  # every row runs the measured rounds
@@ -152,9 +153,9 @@ def speculative_generate(
             fresh = begin(*prefill(*prefill_args, **prefill_kwargs), *begin_args, **begin_kwargs)
             fresh = jax.block_until_ready(fresh)
             clock_start = time.perf_counter()
-            _, tr, _ = jax.block_until_ready(run_segment(target, proposer, *fresh, no_stops,
-                                                         jnp.int32(CALIBRATION_ROUNDS), decoder.policy(t),
-                                                         verify_len=t, greedy=greedy))  # fmt: skip
+            rounds = jnp.int32(CALIBRATION_ROUNDS)  # (all of them: decide_after = rounds)
+            _, tr, _ = jax.block_until_ready(run_segment(target, proposer, *fresh, no_stops, rounds, decoder.policy(t),
+                                                         rounds, verify_len=t, greedy=greedy))  # fmt: skip
             return time.perf_counter() - clock_start, int(tr.iterations)
 
         calibration = decoder.calibrate(batch, lambda t: agree(measure(t)))  # process 0's clock for all
@@ -162,10 +163,11 @@ def speculative_generate(
     decode_start = time.perf_counter()
     alive, done = bool(jnp.any(state.running)), 0
     while alive:  # host-driven: a segment at the chosen length, then the next choice (one read-back each)
-        plan = decoder.plan(batch, batch, state.stats, state.running, state.remaining, greedy=greedy)
+        plan = decoder.plan(batch, batch, state.stats, state.running, state.remaining, greedy=greedy, hold=True)
         segment_begin = time.perf_counter()
-        state, transcript, choice = run_segment(target, proposer, state, transcript, stop_array,
-                                                jnp.int32(min(plan.rounds, out_width)), plan.policy,
+        rounds = min(plan.rounds, out_width)
+        state, transcript, choice = run_segment(target, proposer, state, transcript, stop_array, jnp.int32(rounds),
+                                                plan.policy, jnp.int32(plan.decide_after or rounds),
                                                 verify_len=plan.length, greedy=greedy, peek=plan.peek)  # fmt: skip
         choice, iterations = jax.device_get((choice, transcript.iterations))
         alive = bool(choice.alive)
