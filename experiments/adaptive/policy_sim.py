@@ -112,40 +112,60 @@ def committed(trace: list[int], pos: int, t: int, n: int) -> int:
 
 
 def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
-             every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0, fold: bool = False) -> dict:
-    """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, deciding
-    every ``every`` rounds (or at a ``fixed`` length): model seconds, rounds and the lengths run. ``peek``:
-    seconds of a peek (greedy probes at ``PROBE_LENGTH`` run as one, as ``speculative_generate`` does; None:
-    as a real round); ``host``: seconds of host work per segment (a launch of a device loop and its read-back);
-    ``fold``: plain rounds end on their peek in one segment (one host cost fewer per probe; not built: a round
-    that may peek needs a ``lax.cond`` in the loop, and XLA then copies the drafter's ring every round), else the
-    peek is a segment of its own (as ``Decoder.plan`` runs it)."""
+             every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0, hold: bool = True) -> dict:
+    """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, in the
+    segments ``speculative_generate`` runs (or at a ``fixed`` length, one loop): model seconds, rounds and the
+    lengths run. ``peek``: seconds of a peek (greedy probes at ``PROBE_LENGTH`` run as one, as
+    ``speculative_generate`` does; None: as a real round); ``host``: seconds of host work per segment (a launch of
+    a device loop and its read-back). ``hold`` (``Decoder.plan``'s): drafted rounds run, after ``every`` of them,
+    while the policy would choose them again, and a peek's segment goes on with the plain rounds up to the next
+    probe; else (the serving engine's) a segment is ``every`` drafted rounds and a probe is a segment of its own."""
     lengths = tuple(sorted(costs))
     policy = adaptive.make_policy(lengths, costs)
     stats = adaptive.init_state(1, max(lengths))
     running, pos, seconds, rounds, ran = jnp.ones((1,), bool), 1, 0.0, 0, []
-    choice = decoder.choose(policy, stats, running, jnp.asarray([n - pos]), 0)  # the device's rule, as Decoder.plan
+
+    def run(t: int, peeking: bool = False) -> None:  # one round (a peek: the statistics see its one-token draft)
+        nonlocal stats, pos, seconds, rounds
+        step = 1 if peeking else committed(trace, pos, t, n)
+        accepted = min(trace[pos - 1], 1) if peeking else step - 1
+        stats = adaptive.update(stats, jnp.int32(adaptive.PROBE_LENGTH if peeking else t), jnp.asarray([accepted]),
+                                running)  # fmt: skip
+        pos, seconds, rounds = pos + step, seconds + (peek if peeking else costs[t]), rounds + 1
+        ran.append(1 if peeking else t)
+
+    def choose() -> decoder.Choice:  # the device's rule, as segment and Decoder.plan run it
+        return decoder.choose(policy, stats, running, jnp.asarray([max(n - pos, 0)]), rounds)
+
+    def plain(count: int) -> None:
+        for _ in range(count):
+            if pos < n:
+                run(1)
+
+    choice = choose()
     while pos < n:
-        t, probe = fixed or lengths[int(choice.index)], bool(choice.probe)
-        peeking = peek is not None and not fixed and adaptive.peeks(t, probe, greedy=True)
-        folded = fold and peek is not None and not fixed and t == 1 and not probe
-        segment = 1 if fixed or probe else int(choice.until_probe) + folded if t == 1 else every
-        seconds += 0.0 if fixed else host
-        for i in range(segment):
-            if pos >= n:
-                break
-            if peeking or (folded and i == segment - 1):  # a plain round; the statistics see the one-token draft
-                # against the emitted token
-                stats = adaptive.update(stats, jnp.int32(adaptive.PROBE_LENGTH), jnp.asarray([min(trace[pos - 1], 1)]),
-                                        running)  # fmt: skip
-                pos, seconds, rounds = pos + 1, seconds + peek, rounds + 1
-                ran.append(1)
-                continue
-            step = committed(trace, pos, t, n)
-            stats = adaptive.update(stats, jnp.int32(t), jnp.asarray([step - 1]), running)
-            pos, seconds, rounds = pos + step, seconds + costs[t], rounds + 1
-            ran.append(t)
-        choice = decoder.choose(policy, stats, running, jnp.asarray([max(n - pos, 0)]), rounds)
+        if fixed:
+            run(fixed)
+            continue
+        t, probe = lengths[int(choice.index)], bool(choice.probe)
+        seconds += host
+        if peek is not None and adaptive.peeks(t, probe, greedy=True):
+            run(1, peeking=True)
+            after = choose()
+            if hold and int(after.index) == lengths.index(1) and not bool(after.probe):
+                plain(int(after.until_probe))
+        elif probe:
+            run(t)
+        elif t == 1:
+            plain(int(choice.until_probe))
+        else:
+            for i in range(1, n):
+                run(t)
+                if pos >= n or i >= every and not hold:
+                    break
+                if i >= every and (int((c := choose()).index) != int(choice.index) or bool(c.probe)):
+                    break
+        choice = choose()
     return {"seconds": seconds, "rounds": rounds, "lengths": ran}
 
 
@@ -157,17 +177,18 @@ def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
     return float(best[1])
 
 
-VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, rounds between decisions, fold, peek)
-    "auto": ({}, decoder.DECIDE_EVERY, False, True),
-    "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, False, False),
-    "auto, probes priced without their launches": ({"PROBE_LAUNCHES": 0.0}, decoder.DECIDE_EVERY, False, True),
-    "auto, probes as the last plain round": ({}, decoder.DECIDE_EVERY, True, True),
-    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY, False, True),
-    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY, False, True),
-    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY, False, True),
-    "auto, decide every 8": ({}, 8, False, True),
-    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY, False, True),
-    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY, False, True),
+VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, DECIDE_EVERY, hold, peek)
+    "auto": ({}, decoder.DECIDE_EVERY, True, True),
+    "auto, a segment every 4 rounds and probes apart (no hold)": ({}, decoder.DECIDE_EVERY, False, True),
+    "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, True, False),
+    "auto, probes priced without their launch": ({"PROBE_LAUNCHES": 0.0}, decoder.DECIDE_EVERY, True, True),
+    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY, True, True),
+    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY, True, True),
+    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY, True, True),
+    "auto, decide from round 1": ({}, 1, True, True),
+    "auto, decide from round 8": ({}, 8, True, True),
+    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY, True, True),
+    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY, True, True),
 }
 
 
@@ -283,11 +304,11 @@ def main() -> None:
         for p, trace in zip(prompts, traces):
             record(f"fixed {t}", p.domain, simulate(trace, n, costs, fixed=t)["seconds"])
     never = argparse.Namespace(domain=NEVER, source="no proposal ever accepted")  # what probing costs
-    for name, (constants, every, fold, peeks) in VARIANTS.items():
+    for name, (constants, every, hold, peeks) in VARIANTS.items():
         with policy_constants(**constants):
             for p, trace in [*zip(prompts, traces), (never, [0] * n)]:
                 record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek if peeks else None, host=host,
-                                                fold=fold)["seconds"])  # fmt: skip
+                                                hold=hold)["seconds"])  # fmt: skip
     for p, trace in zip(prompts, traces):
         record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
     summary = print_table(rows, prompts)
