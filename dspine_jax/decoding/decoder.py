@@ -6,7 +6,9 @@ the training corpus' feature capture all decode through it.
   ``max_rounds`` ran, each round's tokens written into a ``Transcript``. The only decode loop in the package.
 * ``segment`` — ``decode_rounds`` then the adaptive policy's next choice (``adaptive.choose``): the unit the
   host drives. One compiled program per verify length (and the peek); choosing on the device inside one
-  loop (``lax.switch`` over rounds) measured ~10 % slower on CPU, the caches being copied in and out.
+  loop (``lax.switch`` over rounds) measured ~10 % slower on CPU, the caches being copied in and out. A
+  segment of drafted rounds may go on while the policy's choice holds, and a peek's goes on with plain rounds
+  (fewer launches: docs/ARCHITECTURE.md §5).
 * ``Decoder`` — the host side (docs/ARCHITECTURE.md §5): which verify lengths a run may use (a fixed length,
   an sps table by batch size, or ``"auto"``), and for ``"auto"`` the driver: choose → explore → run →
   observe, with the cost per length calibrated once per (device, model, proposer, batch bucket) by one
@@ -40,7 +42,7 @@ from dspine_jax.parallel import distributed
 
 _log = logging.getLogger("dspine_jax")
 
-DECIDE_EVERY = 4  # verify="auto": rounds per host call between two choices of the verify length
+DECIDE_EVERY = 4  # verify="auto": drafted rounds a segment runs before the policy may choose again
 COST_SAMPLES = 3  # timed segments per verify length (after one dropped: it may pay one-time costs)
 CALIBRATION_ROUNDS = 8  # rounds per timed segment when calibrating ahead
 
@@ -416,7 +418,9 @@ class Decoder:
     def _calibrated(self, entry: _Bucket) -> None:
         done = entry.calibration.costs()
         if done is not None:
-            entry.estimate = adaptive.CostEstimate(*done, ran=_RAN.setdefault(entry.key, set()))
+            ran = _RAN.setdefault(entry.key, set())
+            ran.update(done[0])  # the calibration ran each length's program (and dropped its first segment)
+            entry.estimate = adaptive.CostEstimate(*done, ran=ran)
             adaptive.store_costs(entry.key, *done, measured_at=time.time())
 
     # -- the driver

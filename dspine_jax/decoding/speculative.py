@@ -4,8 +4,9 @@
 the prefill, and drives ``decoder.run_segment`` from the host: one segment for a fixed verify length (the
 whole loop on the device), or for ``verify="auto"`` segments at the length the policy chose at the end of the
 previous one (``Decoder.plan`` / ``observe``): plain rounds until a probe is due, drafted ones for as long as
-the policy, deciding after every round from the ``DECIDE_EVERY``-th on, would choose them again. Every program is compiled
-(``CompileTimer``) before anything is timed, so results report compilation apart from prefill and decode.
+the policy, deciding after every round from the ``DECIDE_EVERY``-th on, would choose them again. Every program
+is compiled (``CompileTimer``) before anything is timed, so results report compilation apart from prefill and
+decode.
 The round itself is ``round.speculative_round``; docs/ARCHITECTURE.md §4 walks through it.
 """
 
@@ -110,12 +111,11 @@ def speculative_generate(
     """Decode up to ``max_new_tokens`` per row speculatively; same conventions as ``generate``.
 
     ``drafter``: a ``Drafter`` or any ``Proposer``. ``verify``: tokens per verify step (anchor +
-    proposals, ≤ the drafter's block), or ``"auto"`` (default): every ``DECIDE_EVERY`` rounds the policy
-    picks the length among ``adaptive.candidate_lengths`` (1 = a plain decode step) from the rows'
-    acceptance so far and the device's cost per length (``verify_costs {T: seconds}``, else measured once
-    and cached on disk, see ``adaptive``); ``verify_schedule`` pins the lengths round by round (cyclic,
-    tests). ``block_size`` is the older name of a fixed ``verify``; ``sps_table`` (dict or JSON path from
-    ``python -m dspine_jax.tune``) fixes it by batch size. ``stop_ids=None`` uses the model's EOS ids,
+    proposals, ≤ the drafter's block), or ``"auto"`` (default): the policy picks each segment's length among
+    ``adaptive.candidate_lengths`` (1 = a plain decode step) from the rows' acceptance so far and the device's
+    cost per length (``verify_costs {T: seconds}``, else measured once and cached on disk, see ``adaptive``);
+    ``verify_schedule`` pins the lengths round by round (cyclic, tests). ``block_size`` is the older name of a
+    fixed ``verify``; ``sps_table`` (dict or JSON path from ``python -m dspine_jax.tune``) fixes it by batch size. ``stop_ids=None`` uses the model's EOS ids,
     ``[]`` none. Greedy (temperature 0) output equals ``generate``'s whatever the lengths.
     """
     rows, capacity, tokens, lengths, stops = plan_request(
