@@ -407,11 +407,12 @@ class CostEstimate:
     segment (the machine busy for a moment) must not flip the choice. The first segment of each length is
     not counted: the first run of a compiled program pays one-time costs (measured: ~0.1 s on a 2-core CPU,
     on the device, after compiling ahead). ``ran``: the lengths whose first segment already ran, shared by the
-    estimates of one process (``speculative_generate`` makes one per request, and with segments that last while
-    the policy's choice holds, a request may run a length once). A length not run yet keeps its prior scaled by the median ratio seen on the lengths that
-    ran: a machine that got busier slows every length alike, so the ratios the policy compares stay the
-    measured ones. That scaling also carries a wrong prior along (a length measured too cheap stays the
-    cheapest), hence ``explore``. ``segments {T: n}``: timed segments behind each prior (the cache's)."""
+    estimates of one process (``speculative_generate`` makes one per request, and with segments that last
+    while the policy's choice holds, a request may run a length once). A length not run yet keeps its prior
+    scaled by the median ratio seen on the lengths that ran: a machine that got busier slows every length
+    alike, so the ratios the policy compares stay the measured ones. That scaling also carries a wrong prior
+    along (a length measured too cheap stays the cheapest), hence ``explore``. ``segments {T: n}``: timed
+    segments behind each prior (the cache's)."""
 
     def __init__(self, prior: Mapping[int, float], segments: Mapping[int, int] | None = None,
                  ran: set[int] | None = None):  # fmt: skip

@@ -115,8 +115,9 @@ def speculative_generate(
     ``adaptive.candidate_lengths`` (1 = a plain decode step) from the rows' acceptance so far and the device's
     cost per length (``verify_costs {T: seconds}``, else measured once and cached on disk, see ``adaptive``);
     ``verify_schedule`` pins the lengths round by round (cyclic, tests). ``block_size`` is the older name of a
-    fixed ``verify``; ``sps_table`` (dict or JSON path from ``python -m dspine_jax.tune``) fixes it by batch size. ``stop_ids=None`` uses the model's EOS ids,
-    ``[]`` none. Greedy (temperature 0) output equals ``generate``'s whatever the lengths.
+    fixed ``verify``; ``sps_table`` (dict or JSON path from ``python -m dspine_jax.tune``) fixes it by batch
+    size. ``stop_ids=None`` uses the model's EOS ids, ``[]`` none. Greedy (temperature 0) output equals
+    ``generate``'s whatever the lengths.
     """
     rows, capacity, tokens, lengths, stops = plan_request(
         target, prompt_ids, max_new_tokens, temperature, top_p, top_k, stop_ids

@@ -112,7 +112,8 @@ def committed(trace: list[int], pos: int, t: int, n: int) -> int:
 
 
 def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
-             every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0, hold: bool = True) -> dict:
+             every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0,
+             hold: bool = True) -> dict:  # fmt: skip
     """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, in the
     segments ``speculative_generate`` runs (or at a ``fixed`` length, one loop): model seconds, rounds and the
     lengths run. ``peek``: seconds of a peek (greedy probes at ``PROBE_LENGTH`` run as one, as
