@@ -7,8 +7,9 @@ same repeat round (the report's paired ratio, per prompt instead of per domain),
 from __future__ import annotations
 
 import json
-import statistics
 import sys
+
+from dspine_jax.bench import summarize
 
 
 def main(path: str) -> None:
@@ -16,13 +17,12 @@ def main(path: str) -> None:
     systems = [s for s in prompts[0]["systems"] if s != "ours"]
     cells: dict[str, list[tuple[float, str]]] = {s: [] for s in systems}
     for entry in prompts:
-        ours = entry["systems"]["ours"]["tokens_per_second"]
+        one = summarize([entry])["all"]  # the report's own summary, of this prompt alone
         row = [f"{entry['domain'][:5]:5s}", f"{entry['source'][-26:]:26s}"]
         for s in systems:
-            mine = entry["systems"][s]
-            ratio = statistics.median(m / o for m, o in zip(mine["tokens_per_second"], ours))
+            ratio = one[s]["paired_speedup_vs_ours"]
             cells[s].append((ratio, entry["source"]))
-            row.append(f"{ratio:.3f} (tau {mine.get('tau') or 0:.2f})")
+            row.append(f"{ratio:.3f} (tau {one[s]['tau'] or 0:.2f})")
         print(*row)
     for s in systems:
         print(s, "worst:", ", ".join(f"{r:.3f} {src}" for r, src in sorted(cells[s])[:3]))
