@@ -113,14 +113,16 @@ def committed(trace: list[int], pos: int, t: int, n: int) -> int:
 
 def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
              every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0,
-             hold: bool = True) -> dict:  # fmt: skip
+             hold: bool = True, bonus: bool = False) -> dict:  # fmt: skip
     """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, in the
     segments ``speculative_generate`` runs (or at a ``fixed`` length, one loop): model seconds, rounds and the
     lengths run. ``peek``: seconds of a peek (greedy probes at ``PROBE_LENGTH`` run as one, as
     ``speculative_generate`` does; None: as a real round); ``host``: seconds of host work per segment (a launch of
     a device loop and its read-back). ``hold`` (``Decoder.plan``'s): drafted rounds run, after ``every`` of them,
     while the policy would choose them again, and a peek's segment goes on with the plain rounds up to the next
-    probe; else (the serving engine's) a segment is ``every`` drafted rounds and a probe is a segment of its own."""
+    probe; else (the serving engine's) a segment is ``every`` drafted rounds and a probe is a segment of its own.
+    ``bonus``: a drafted round whose proposals were all accepted also tests the next slot (under greedy decoding
+    the target's bonus token against one more proposal: a variant, not what the decoder does)."""
     lengths = tuple(sorted(costs))
     policy = adaptive.make_policy(lengths, costs)
     stats = adaptive.init_state(1, max(lengths))
@@ -130,8 +132,11 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
         nonlocal stats, pos, seconds, rounds
         step = 1 if peeking else committed(trace, pos, t, n)
         accepted = min(trace[pos - 1], 1) if peeking else step - 1
-        stats = adaptive.update(stats, jnp.int32(adaptive.PROBE_LENGTH if peeking else t), jnp.asarray([accepted]),
-                                running)  # fmt: skip
+        length = adaptive.PROBE_LENGTH if peeking else t
+        if bonus and not peeking and t > 1:  # the statistics see a round one proposal longer where all were accepted
+            length = min(t + 1, max(lengths))
+            accepted = min(trace[pos - 1], length - 1, n - pos - 1)
+        stats = adaptive.update(stats, jnp.int32(length), jnp.asarray([accepted]), running)
         pos, seconds, rounds = pos + step, seconds + (peek if peeking else costs[t]), rounds + 1
         ran.append(1 if peeking else t)
 
@@ -178,7 +183,34 @@ def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
     return float(best[1])
 
 
-VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, DECIDE_EVERY, hold, peek)
+def capped_acceptance(cap: float | None):
+    """``adaptive.acceptance`` with an untested slot's prior (the estimate of the slot before it) at most ``cap``
+    (None: the prior of every slot is the coin flip, ``PRIOR_ACCEPT``, not chained)."""
+
+    def acceptance(state: adaptive.PolicyState):
+        prior = jnp.full(state.hits.shape[:1], adaptive.PRIOR_ACCEPT, jnp.float32)
+        columns = []
+        for i in range(state.hits.shape[1]):
+            estimate = (state.hits[:, i] + adaptive.PRIOR_WEIGHT * prior) / (state.tries[:, i] + adaptive.PRIOR_WEIGHT)
+            columns.append(estimate)
+            prior = jnp.full_like(prior, adaptive.PRIOR_ACCEPT) if cap is None else jnp.minimum(estimate, cap)
+        return jnp.stack(columns, axis=1)
+
+    return acceptance
+
+
+@contextlib.contextmanager
+def estimator(acceptance):
+    """Run with another acceptance estimate than ``adaptive.acceptance`` (``capped_acceptance``)."""
+    old = adaptive.acceptance
+    adaptive.acceptance = acceptance
+    try:
+        yield
+    finally:
+        adaptive.acceptance = old
+
+
+VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, DECIDE_EVERY, hold, peek[, estimator])
     "auto": ({}, decoder.DECIDE_EVERY, True, True),
     "auto, a segment every 4 rounds and probes apart (no hold)": ({}, decoder.DECIDE_EVERY, False, True),
     "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, True, False),
@@ -190,6 +222,15 @@ VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, D
     "auto, decide from round 8": ({}, 8, True, True),
     "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY, True, True),
     "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY, True, True),
+    "auto, an untested slot no better than a coin flip": ({}, decoder.DECIDE_EVERY, True, True,
+                                                          {"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT)}),
+    "auto, an untested slot a coin flip (no chain)": ({}, decoder.DECIDE_EVERY, True, True,
+                                                      {"acceptance": capped_acceptance(None)}),
+    "auto, a full round's bonus tests the next slot": ({}, decoder.DECIDE_EVERY, True, True, {"bonus": True}),
+    "auto, both (bonus, no better than a coin flip)": ({}, decoder.DECIDE_EVERY, True, True,
+                                                       {"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT),
+                                                        "bonus": True}),
+    "auto without its longest length": ({}, decoder.DECIDE_EVERY, True, True, {"drop_longest": True}),
 }
 
 
@@ -258,13 +299,14 @@ def load_study(args: argparse.Namespace):
 
 
 NEVER = "never right"  # a drafter whose proposals are never accepted (a trace of zeros), apart from "all"
+ALWAYS = "always right"  # one whose proposals are all accepted: does the policy reach its longest block?
 
 
 def print_table(rows: dict[str, dict[str, list[float]]], prompts) -> dict[str, dict[str, float]]:
     """Print ``{policy: {domain: [× AR per prompt]}}`` as a markdown table (a ``NEVER`` column, where a policy
     has one, after "all" and not in it); returns the means."""
     domains = list(dict.fromkeys(p.domain for p in prompts))
-    extra = [NEVER] if any(NEVER in by for by in rows.values()) else []
+    extra = [d for d in (NEVER, ALWAYS) if any(d in by for by in rows.values())]
     print("| policy | " + " | ".join(domains + ["all"] + extra) + " |")
     print("|---" * (len(domains) + len(extra) + 2) + "|")
     summary = {}
@@ -305,11 +347,14 @@ def main() -> None:
         for p, trace in zip(prompts, traces):
             record(f"fixed {t}", p.domain, simulate(trace, n, costs, fixed=t)["seconds"])
     never = argparse.Namespace(domain=NEVER, source="no proposal ever accepted")  # what probing costs
-    for name, (constants, every, hold, peeks) in VARIANTS.items():
-        with policy_constants(**constants):
-            for p, trace in [*zip(prompts, traces), (never, [0] * n)]:
-                record(name, p.domain, simulate(trace, n, costs, every=every, peek=peek if peeks else None, host=host,
-                                                hold=hold)["seconds"])  # fmt: skip
+    always = argparse.Namespace(domain=ALWAYS, source="every proposal accepted")  # whether long blocks are reached
+    for name, (constants, every, hold, peeks, *how) in VARIANTS.items():
+        how = how[0] if how else {}
+        variant_costs = {t: c for t, c in costs.items() if t != max(costs)} if how.get("drop_longest") else costs
+        with policy_constants(**constants), estimator(how.get("acceptance", adaptive.acceptance)):
+            for p, trace in [*zip(prompts, traces), (never, [0] * n), (always, [n] * n)]:
+                record(name, p.domain, simulate(trace, n, variant_costs, every=every, peek=peek if peeks else None,
+                                                host=host, hold=hold, bonus=how.get("bonus", False))["seconds"])  # fmt: skip
     for p, trace in zip(prompts, traces):
         record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
     summary = print_table(rows, prompts)
