@@ -116,6 +116,73 @@ def test_compilation_is_timed_apart(tiny_models):
     assert first.tokens_per_second == pytest.approx(first.num_tokens / first.seconds)
 
 
+def test_each_program_runs_once_before_anything_is_timed():
+    """``CompileTimer`` runs a program once, untimed, the first time the process meets it (a first run pays
+    one-time costs on XLA:CPU), and never again: later compiles of the same shapes run nothing, ``run`` runs it
+    once (the timed call)."""
+    import jax
+    import jax.numpy as jnp
+
+    runs: list[int] = []
+
+    @jax.jit
+    def program(x):
+        jax.debug.callback(lambda: runs.append(1))
+        return x + 1
+
+    x = jnp.arange(7.0)  # a shape no other test uses
+    planning.CompileTimer(first_runs=False).compile(program, x, warm=lambda: (x,))  # (an accelerator's: compile only)
+    assert not runs
+    clock = planning.CompileTimer()
+    clock.compile(program, x, warm=lambda: (x,))
+    assert len(runs) == 1 and clock.seconds > 0
+    clock.compile(program, x, warm=lambda: (x,))
+    planning.CompileTimer().compile(program, x, warm=lambda: (x,))  # another request, same process
+    assert len(runs) == 1
+    clock.compile(program, x)  # no throwaway arguments: compiled only
+    out, _ = clock.run(program, x)
+    assert len(runs) == 2 and np.array_equal(np.asarray(out), np.arange(7.0) + 1)
+    clock.run(program, jnp.arange(9.0))  # new shapes: their first run, then the timed one
+    assert len(runs) == 4
+
+
+def test_a_speculative_call_compiles_nothing_while_it_decodes(tiny_models, monkeypatch):
+    """Every program ``speculative_generate`` may run (each length's, the peek's, the policy's first choice) is
+    compiled before the decode clock starts: a first call's decode time holds no compilation."""
+    import jax
+
+    from dspine_jax.decoding.decoder import Decoder
+
+    compiles: list[float] = []
+    at_decode: list[int] = []  # compilations so far, at each step of the decode loop and after it
+    plan, store = Decoder.plan, Decoder.store
+
+    def counted_plan(self, *args, **kwargs):  # each step of the decode loop
+        at_decode.append(len(compiles))
+        return plan(self, *args, **kwargs)
+
+    def counted_store(self):  # right after the decode clock stops
+        at_decode.append(len(compiles))
+        return store(self)
+
+    def listener(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    target = load_target(tiny_models["qwen3"][0])
+    drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=4, seed=11)
+    monkeypatch.setattr(Decoder, "plan", counted_plan)
+    monkeypatch.setattr(Decoder, "store", counted_store)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        result = speculative_generate(target, drafter, [[4, 9, 2, 7, 7]], max_new_tokens=13, stop_ids=[],
+                                      verify_costs={1: 1.0, 2: 1.1, 4: 1.2})  # fmt: skip
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles and len(at_decode) >= 3 and len(set(at_decode)) == 1, at_decode  # (several segments)
+    assert len(result.token_ids[0]) == 13
+
+
 def test_a_slow_compile_says_so(tiny_models, monkeypatch, caplog):
     target = load_target(tiny_models["qwen3"][0])
     caplog.set_level("INFO", logger="dspine_jax")
