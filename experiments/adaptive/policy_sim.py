@@ -210,7 +210,8 @@ def estimator(acceptance):
         adaptive.acceptance = old
 
 
-VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, DECIDE_EVERY, hold, peek[, estimator])
+VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, DECIDE_EVERY, hold, peek[, how]); how:
+    # {"acceptance": an estimate instead of adaptive.acceptance, "bonus": simulate's, "drop_longest": no longest length}
     "auto": ({}, decoder.DECIDE_EVERY, True, True),
     "auto, a segment every 4 rounds and probes apart (no hold)": ({}, decoder.DECIDE_EVERY, False, True),
     "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, True, False),
@@ -303,8 +304,8 @@ ALWAYS = "always right"  # one whose proposals are all accepted: does the policy
 
 
 def print_table(rows: dict[str, dict[str, list[float]]], prompts) -> dict[str, dict[str, float]]:
-    """Print ``{policy: {domain: [× AR per prompt]}}`` as a markdown table (a ``NEVER`` column, where a policy
-    has one, after "all" and not in it); returns the means."""
+    """Print ``{policy: {domain: [× AR per prompt]}}`` as a markdown table (``NEVER`` and ``ALWAYS`` columns, where
+    a policy has them, after "all" and not in it); returns the means."""
     domains = list(dict.fromkeys(p.domain for p in prompts))
     extra = [d for d in (NEVER, ALWAYS) if any(d in by for by in rows.values())]
     print("| policy | " + " | ".join(domains + ["all"] + extra) + " |")
