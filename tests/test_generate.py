@@ -116,36 +116,6 @@ def test_compilation_is_timed_apart(tiny_models):
     assert first.tokens_per_second == pytest.approx(first.num_tokens / first.seconds)
 
 
-def test_each_program_runs_once_before_anything_is_timed():
-    """``CompileTimer`` runs a program once, untimed, the first time the process meets it (a first run pays
-    one-time costs on XLA:CPU), and never again: later compiles of the same shapes run nothing, ``run`` runs it
-    once (the timed call)."""
-    import jax
-    import jax.numpy as jnp
-
-    runs: list[int] = []
-
-    @jax.jit
-    def program(x):
-        jax.debug.callback(lambda: runs.append(1))
-        return x + 1
-
-    x = jnp.arange(7.0)  # a shape no other test uses
-    planning.CompileTimer(first_runs=False).compile(program, x, warm=lambda: (x,))  # (an accelerator's: compile only)
-    assert not runs
-    clock = planning.CompileTimer()
-    clock.compile(program, x, warm=lambda: (x,))
-    assert len(runs) == 1 and clock.seconds > 0
-    clock.compile(program, x, warm=lambda: (x,))
-    planning.CompileTimer().compile(program, x, warm=lambda: (x,))  # another request, same process
-    assert len(runs) == 1
-    clock.compile(program, x)  # no throwaway arguments: compiled only
-    out, _ = clock.run(program, x)
-    assert len(runs) == 2 and np.array_equal(np.asarray(out), np.arange(7.0) + 1)
-    clock.run(program, jnp.arange(9.0))  # new shapes: their first run, then the timed one
-    assert len(runs) == 4
-
-
 def test_a_speculative_call_compiles_nothing_while_it_decodes(tiny_models, monkeypatch):
     """Every program ``speculative_generate`` may run (each length's, the peek's, the policy's first choice) is
     compiled before the decode clock starts: a first call's decode time holds no compilation."""

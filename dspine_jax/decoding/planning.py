@@ -2,8 +2,8 @@
 (``autoregressive.py``) and speculative (``speculative.py``) decoding, the server and the corpus builder.
 
 ``plan_request`` validates prompts and sampling parameters and buckets the shapes (prompt width, cache
-capacity) so similar requests reuse compiled programs; ``CompileTimer`` times compilation (and a program's
-first run in the process) apart from running; ``GenerationResult`` / ``finish_reasons`` report per row.
+capacity) so similar requests reuse compiled programs; ``CompileTimer`` times compilation apart from
+running; ``GenerationResult`` / ``finish_reasons`` report per row.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -37,8 +37,7 @@ class GenerationResult:
     finish_reasons: list[str]  # per row: "stop", "length" (max_new_tokens) or "capacity"
     prefill_seconds: float  # running the prefill program, compilation excluded
     decode_seconds: float  # running the decode loop, compilation excluded
-    compile_seconds: float  # compiling the programs and their first run in this process (≈0 when it ran these
-    # shapes before: ``CompileTimer``)
+    compile_seconds: float  # compiling both programs (≈0 when this process compiled these shapes before)
 
     @property
     def seconds(self) -> float:
@@ -131,28 +130,17 @@ def plan_request(
     return rows, capacity, tokens, lengths, stops
 
 
-_RAN_ONCE: dict[int, Any] = {}  # executables this process has run (id → executable, kept so the id is not reused)
-
-
 class CompileTimer:
     """Runs jitted programs timed apart from their compilation: ``run`` compiles ahead of the call
     (adding that time to ``seconds``), then times the call, which reuses the executable.
-
-    A program's first run in a process costs more than the next ones (measured on a 2-core CPU: +0.1–0.2 s for
-    a decode segment, +0.2 s for a prefill, whether compiled or loaded from the persistent cache; the loop body's
-    kernels are set up on their first execution, not when compiling). ``compile`` therefore also runs each program
-    once on throwaway inputs (``warm``) the first time this process meets it, and counts that in ``seconds`` with
-    the compilation: what ``run`` times is a warm program, as in every later call.
 
     Shapes this process compiled before cost ~0 to compile; a load from the persistent compilation
     cache (the CLI's) a moment. A compile that outlasts ``COMPILE_NOTICE_SECONDS`` logs "compiling …"
     once (logger ``dspine_jax``; the CLI prints it), so a first run says why it is slow.
     """
 
-    def __init__(self, first_runs: bool = True) -> None:
-        """``first_runs``: run each program once before it is timed (False: compile only)."""
+    def __init__(self) -> None:
         self.seconds = 0.0
-        self.first_runs = first_runs
         self._noticed = threading.Event()
 
     def _notice(self) -> None:
@@ -160,28 +148,20 @@ class CompileTimer:
             self._noticed.set()
             _log.info("compiling … (first run of these shapes; later runs reuse the compiled programs)")
 
-    def compile(self, fn, *args, warm: Callable[[], tuple] | None = None, **kwargs) -> None:
-        """Compile ``fn`` for ``args`` (``kwargs``: its static arguments); with ``warm`` (a function returning
-        arguments of the same shapes that it may consume: copies of any donated ones), also run the compiled
-        program once on ``warm()`` if this process has not run it yet."""
+    def compile(self, fn, *args, **kwargs) -> None:
         timer = threading.Timer(COMPILE_NOTICE_SECONDS, self._notice)
         timer.start()
         start = time.perf_counter()
         try:
-            compiled = fn.lower(*args, **kwargs).compile()
-            executable = getattr(getattr(compiled, "_executable", None), "xla_executable", None)  # (JAX-internal)
-            if self.first_runs and warm is not None and executable is not None and id(executable) not in _RAN_ONCE:
-                jax.block_until_ready(compiled(*warm()))  # (keyword arguments are static: compiled in)
-                _RAN_ONCE[id(executable)] = executable
+            fn.lower(*args, **kwargs).compile()
         finally:
             timer.cancel()
             self.seconds += time.perf_counter() - start
 
-    def run(self, fn, *args, warm: Callable[[], tuple] | None = None, **kwargs) -> tuple[Any, float]:
+    def run(self, fn, *args, **kwargs) -> tuple[Any, float]:
         """``fn(*args, **kwargs)`` (compiled first, before any donated argument is consumed) and the
-        seconds the call took until its outputs were ready. ``warm``: as in ``compile``; None runs the first
-        call of a program on ``args`` themselves, so pass it for a ``fn`` that donates them."""
-        self.compile(fn, *args, warm=warm or (lambda: args), **kwargs)
+        seconds the call took until its outputs were ready."""
+        self.compile(fn, *args, **kwargs)
         start = time.perf_counter()
         out = jax.block_until_ready(fn(*args, **kwargs))
         return out, time.perf_counter() - start

@@ -5,8 +5,8 @@ the prefill, and drives ``decoder.run_segment`` from the host: one segment for a
 whole loop on the device), or for ``verify="auto"`` segments at the length the policy chose at the end of the
 previous one (``Decoder.plan`` / ``observe``): plain rounds until a probe is due, drafted ones for as long as
 the policy, deciding after every round from the ``DECIDE_EVERY``-th on, would choose them again. Every program
-is compiled and run once (``CompileTimer``) before anything is timed, so results report compilation apart from
-prefill and decode.
+is compiled (``CompileTimer``) before anything is timed, so results report compilation apart from prefill and
+decode.
 The round itself is ``round.speculative_round``; docs/ARCHITECTURE.md §4 walks through it.
 """
 
@@ -52,11 +52,6 @@ def begin_impl(
     state = rnd.start(cache, proposer_state, first, key, sampling, stop_ids, max_new_tokens, prior,
                       max_verify=max_verify)  # fmt: skip
     return state, Transcript.empty(first.shape[0], out_width + max_verify, out_width, first, stop_ids)
-
-
-def copies(tree: Any) -> Any:
-    """A copy of every array of ``tree`` (throwaway arguments for a program that donates its own)."""
-    return jax.tree.map(jnp.copy, tree)
 
 
 prefill = jax.jit(rnd.prefill, static_argnames=("capacity", "top_k", "greedy"))
@@ -151,28 +146,16 @@ def speculative_generate(
     begin_args = (key_loop, sampling, stop_array, jnp.int32(max_new_tokens))
     begin_kwargs = dict(max_verify=t_max, out_width=out_width)
 
-    # Compilation, and each program's first run in this process, timed apart from prefill and decode
-    # (``CompileTimer``). The programs that donate their state run first on copies of it: on the CPU only (where a
-    # first run was measured to cost 0.1–0.2 s), since on an accelerator the copy would hold a second KV cache.
-    clock = CompileTimer(first_runs=jax.devices()[0].platform == "cpu")
+    clock = CompileTimer()  # compilation timed apart from prefill and decode (see generate)
     (cache, pstate, first), prefill_seconds = clock.run(prefill, *prefill_args, **prefill_kwargs)
-    begin_rest = (*begin_args, decoder.prior())
-    (state, transcript), start_seconds = clock.run(begin, cache, pstate, first, *begin_rest,
-                                                   warm=lambda: (*copies((cache, pstate)), first, *begin_rest),
+    (state, transcript), start_seconds = clock.run(begin, cache, pstate, first, *begin_args, decoder.prior(),
                                                    **begin_kwargs)  # fmt: skip
     for t, peek in decoder.programs(greedy):  # one program per length (and the peek), before the clock runs
-        policy = decoder.policy(t)
-
-        def warm(p: adaptive.VerifyPolicy = policy) -> tuple:
-            # Two rounds, at costs that make plain rounds pay (a peek's program then runs its plain rounds too).
-            plain = p.replace(costs=jnp.asarray([1.0 if n == 1 else 1e3 for n in p.lengths], jnp.float32))
-            return (target, proposer, *copies((state, transcript)), stop_array, jnp.int32(2), plain, jnp.int32(2))
-
-        clock.compile(run_segment, target, proposer, state, transcript, stop_array, jnp.int32(1), policy, jnp.int32(1),
-                      warm=warm, verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
+        clock.compile(run_segment, target, proposer, state, transcript, stop_array, jnp.int32(1),
+                      decoder.policy(t), jnp.int32(1), verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
     if decoder.candidates:  # the program of a run's first choice (``Decoder.plan``)
         choice_args = (decoder.policy(), state.stats, state.running, state.remaining, jnp.int32(0))
-        clock.compile(first_choice, *choice_args, warm=lambda: choice_args)
+        clock.compile(first_choice, *choice_args)
     calibration = 0.0
     if decoder.needs_calibration(batch):
         no_stops = jnp.full_like(stop_array, -1)  # every row runs the measured rounds
