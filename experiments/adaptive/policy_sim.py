@@ -94,7 +94,7 @@ def acceptance_trace(target, proposer: DrafterProposer, prompt: list[int], n: in
 
 @contextlib.contextmanager
 def policy_constants(**values):
-    """Run with some of ``adaptive``'s constants changed (a variant of the policy)."""
+    """Run with some of ``adaptive``'s constants (or functions: ``acceptance``) changed (a variant of the policy)."""
     old = {k: getattr(adaptive, k) for k in values}
     for k, v in values.items():
         setattr(adaptive, k, v)
@@ -199,19 +199,8 @@ def capped_acceptance(cap: float | None):
     return acceptance
 
 
-@contextlib.contextmanager
-def estimator(acceptance):
-    """Run with another acceptance estimate than ``adaptive.acceptance`` (``capped_acceptance``)."""
-    old = adaptive.acceptance
-    adaptive.acceptance = acceptance
-    try:
-        yield
-    finally:
-        adaptive.acceptance = old
-
-
-VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, DECIDE_EVERY, hold, peek[, how]); how:
-    # {"acceptance": an estimate instead of adaptive.acceptance, "bonus": simulate's, "drop_longest": no longest length}
+VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relative to the shipped ones, DECIDE_EVERY, hold,
+    # peek[, how]); how: {"bonus": simulate's, "drop_longest": no longest length}
     "auto": ({}, decoder.DECIDE_EVERY, True, True),
     "auto, a segment every 4 rounds and probes apart (no hold)": ({}, decoder.DECIDE_EVERY, False, True),
     "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, True, False),
@@ -223,14 +212,13 @@ VARIANTS = {  # name → (adaptive constants relative to the shipped defaults, D
     "auto, decide from round 8": ({}, 8, True, True),
     "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY, True, True),
     "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY, True, True),
-    "auto, an untested slot no better than a coin flip": ({}, decoder.DECIDE_EVERY, True, True,
-                                                          {"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT)}),
-    "auto, an untested slot a coin flip (no chain)": ({}, decoder.DECIDE_EVERY, True, True,
-                                                      {"acceptance": capped_acceptance(None)}),
+    "auto, an untested slot no better than a coin flip": ({"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT)},
+                                                          decoder.DECIDE_EVERY, True, True),
+    "auto, an untested slot a coin flip (no chain)": ({"acceptance": capped_acceptance(None)}, decoder.DECIDE_EVERY,
+                                                      True, True),
     "auto, a full round's bonus tests the next slot": ({}, decoder.DECIDE_EVERY, True, True, {"bonus": True}),
-    "auto, both (bonus, no better than a coin flip)": ({}, decoder.DECIDE_EVERY, True, True,
-                                                       {"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT),
-                                                        "bonus": True}),
+    "auto, both (bonus, no better than a coin flip)": ({"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT)},
+                                                       decoder.DECIDE_EVERY, True, True, {"bonus": True}),
     "auto without its longest length": ({}, decoder.DECIDE_EVERY, True, True, {"drop_longest": True}),
 }
 
@@ -352,7 +340,7 @@ def main() -> None:
     for name, (constants, every, hold, peeks, *how) in VARIANTS.items():
         how = how[0] if how else {}
         variant_costs = {t: c for t, c in costs.items() if t != max(costs)} if how.get("drop_longest") else costs
-        with policy_constants(**constants), estimator(how.get("acceptance", adaptive.acceptance)):
+        with policy_constants(**constants):
             for p, trace in [*zip(prompts, traces), (never, [0] * n), (always, [n] * n)]:
                 record(name, p.domain, simulate(trace, n, variant_costs, every=every, peek=peek if peeks else None,
                                                 host=host, hold=hold, bonus=how.get("bonus", False))["seconds"])  # fmt: skip
