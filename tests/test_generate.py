@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -90,9 +91,9 @@ def test_prompt_bucket_wider_than_the_cache(tiny_models):
     assert spec.token_ids == ar.token_ids
 
 
-def test_compilation_is_timed_apart(tiny_models):
-    """``compile_seconds`` holds the compilation a first call pays; ``seconds`` (and tokens/s) hold only
-    prefill + decode, so a second call of the same shapes reports no compilation and a similar speed."""
+@contextlib.contextmanager
+def compiles_seen():
+    """The seconds of every backend compilation while the block runs, as they happen."""
     import jax
 
     compiles: list[float] = []
@@ -101,14 +102,21 @@ def test_compilation_is_timed_apart(tiny_models):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(seconds)
 
-    target = load_target(tiny_models["qwen3"][0])
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_compilation_is_timed_apart(tiny_models):
+    """``compile_seconds`` holds the compilation a first call pays; ``seconds`` (and tokens/s) hold only
+    prefill + decode, so a second call of the same shapes reports no compilation and a similar speed."""
+    target = load_target(tiny_models["qwen3"][0])
+    with compiles_seen() as compiles:
         first = generate(target, [[9, 8, 7]], max_new_tokens=11, stop_ids=[])  # a shape no other test uses
         compiled = sum(compiles)
         second = generate(target, [[9, 8, 6]], max_new_tokens=11, stop_ids=[])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiled > 0 and sum(compiles) == compiled  # the second call compiled nothing
     assert first.compile_seconds >= compiled  # all of it inside compile_seconds ...
     assert first.seconds < first.compile_seconds  # ... none in the decode timing (tiny model: decode is fast)
@@ -119,11 +127,8 @@ def test_compilation_is_timed_apart(tiny_models):
 def test_a_speculative_call_compiles_nothing_while_it_decodes(tiny_models, monkeypatch):
     """Every program ``speculative_generate`` may run (each length's, the peek's, the policy's first choice) is
     compiled before the decode clock starts: a first call's decode time holds no compilation."""
-    import jax
-
     from dspine_jax.decoding.decoder import Decoder
 
-    compiles: list[float] = []
     at_decode: list[int] = []  # compilations so far, at each step of the decode loop and after it
     plan, store = Decoder.plan, Decoder.store
 
@@ -135,20 +140,13 @@ def test_a_speculative_call_compiles_nothing_while_it_decodes(tiny_models, monke
         at_decode.append(len(compiles))
         return store(self)
 
-    def listener(event: str, seconds: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
     target = load_target(tiny_models["qwen3"][0])
     drafter = init_drafter(target, "dspine", num_layers=1, block_size=4, top_k=4, seed=11)
     monkeypatch.setattr(Decoder, "plan", counted_plan)
     monkeypatch.setattr(Decoder, "store", counted_store)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compiles_seen() as compiles:  # (read by counted_plan / counted_store as they run)
         result = speculative_generate(target, drafter, [[4, 9, 2, 7, 7]], max_new_tokens=13, stop_ids=[],
                                       verify_costs={1: 1.0, 2: 1.1, 4: 1.2})  # fmt: skip
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles and len(at_decode) >= 3 and len(set(at_decode)) == 1, at_decode  # (several segments)
     assert len(result.token_ids[0]) == 13
 
