@@ -220,6 +220,10 @@ def test_mask_token_is_dedicated_and_a_checkpoints_own_is_kept(target, dspine_di
 def test_config_defaults_follow_the_reference():
     assert build_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert build_target_layer_ids(28, 5) == (1, 7, 13, 19, 25)
+    assert build_target_layer_ids(3, 5) == (1, 1, 0, 0, 0)  # the reference's rule wherever it names real layers
+    # where it does not (1 or 2 layers: 1, 0, 0, 0, -1), taps spread over the layers there are
+    assert build_target_layer_ids(2, 5) == (0, 0, 0, 1, 1)
+    assert build_target_layer_ids(1, 2) == (0, 0)
     base = {
         "hidden_size": 64,
         "num_attention_heads": 4,
@@ -247,6 +251,24 @@ def test_config_defaults_follow_the_reference():
     )
     with pytest.raises(DrafterConfigError, match="block_size"):
         drafter_config_from_dict({**base, "block_size": 1})
+
+
+def test_an_untrained_drafter_for_a_two_layer_target(tmp_path):
+    """``init:dspine`` on a target of two layers (the reference's tap rule names layer -1 there) drafts, and greedy
+    speculative output equals plain decoding."""
+    from conftest import make_tiny_hf_model
+
+    from dspine_jax.decoding.autoregressive import generate
+    from dspine_jax.decoding.speculative import speculative_generate
+    from dspine_jax.drafters.io import load_draft
+
+    model_dir, _ = make_tiny_hf_model("qwen3", tmp_path / "two", num_hidden_layers=2, seed=3)
+    two = load_target(model_dir)
+    drafter = load_draft("init:dspine:4", two)
+    assert drafter.config.target_layer_ids == (0, 0, 0, 1, 1)
+    prompt = [[5, 9, 17, 33, 65]]
+    want = generate(two, prompt, 8, stop_ids=[]).token_ids
+    assert speculative_generate(two, drafter, prompt, 8, stop_ids=[], verify=4).token_ids == want
 
 
 def test_one_jitted_draft_call_for_block_16(target):

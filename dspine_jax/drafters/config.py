@@ -238,13 +238,18 @@ def config_as_kind(config: DrafterConfig, kind: str, **changes: Any) -> DrafterC
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """The reference default tap layers: evenly spaced from 1 to N-3 (36 layers, 5 taps → 1,9,17,25,33).
 
-    Uses Python's ``round`` (banker's rounding) exactly like z-lab / SpecForge so the ids agree.
+    Uses Python's ``round`` (banker's rounding) exactly like z-lab / SpecForge so the ids agree. On a target of
+    one or two layers that rule names layers it lacks (2 layers, 5 taps: 1, 0, 0, 0, -1); there the taps are spread
+    evenly over the layers it has instead (0, 0, 0, 1, 1).
     """
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     start, end = 1, num_target_layers - 3
     span = end - start
-    return tuple(round(start + (i * span) / (num_draft_layers - 1)) for i in range(num_draft_layers))
+    ids = tuple(round(start + (i * span) / (num_draft_layers - 1)) for i in range(num_draft_layers))
+    if all(0 <= i < num_target_layers for i in ids):
+        return ids
+    return tuple(round(i * (num_target_layers - 1) / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
