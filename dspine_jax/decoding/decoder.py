@@ -182,6 +182,7 @@ def choose(policy: VerifyPolicy, stats: adaptive.PolicyState, running: Array, re
 run_segment = jax.jit(segment, static_argnames=("verify_len", "greedy", "peek"),
                       donate_argnames=("state", "transcript"))  # fmt: skip
 first_choice = jax.jit(choose)  # a run's first choice, before any segment (one program, not op by op)
+carried = jax.jit(adaptive.carried)  # what a run passes on (``Decoder.remember``; op by op it compiled ~19 programs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,7 +508,7 @@ class Decoder:
         """Pass the rows' final statistics on to the next run with this target and drafter (``adaptive.carried``)."""
         key = self._prior_key()
         if key is not None:
-            _PRIORS[key] = distributed.to_host(adaptive.carried(stats, np.ones(stats.wait.shape, bool)))
+            _PRIORS[key] = distributed.to_host(carried(stats, np.ones(stats.wait.shape, bool)))
 
     def store(self) -> None:
         """Keep what decoding measured in the cost cache, for the next run."""
