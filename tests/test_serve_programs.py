@@ -49,6 +49,37 @@ def test_programs_compile_once_per_shape_and_static_arguments():
     assert programs.stats.compiles == len(programs) == 4
 
 
+def test_compiles_run_with_the_cyclic_collector_paused():
+    """Tracing and compiling (the serving engine's ``Programs`` and ``CompileTimer``) run with Python's cyclic
+    collector off; it comes back when the last concurrent compile ends, and stays off if the caller had it off."""
+    import gc
+
+    from dspine_jax.decoding.planning import CompileTimer, collection_paused
+
+    seen: list[bool] = []
+
+    @program()
+    def traced(x, *, k: int):
+        seen.append(gc.isenabled())  # runs while tracing
+        return x * k
+
+    Programs(max_programs=None).run(traced, jnp.ones(3), k=2)
+    CompileTimer().compile(jax.jit(traced, static_argnames="k"), jnp.ones(3), k=3)
+    assert seen == [False, False] and gc.isenabled()
+    with collection_paused():
+        with collection_paused():  # (another thread's compile)
+            pass
+        assert not gc.isenabled()  # the outer compile is still running
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_programs_evict_the_least_recently_used_and_give_their_memory_maps_back():
     bounded = Programs(max_programs=2)
     for depth in (1, 2, 3):

@@ -30,6 +30,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from dspine_jax.decoding.planning import collection_paused
+
 DEFAULT_MAX_PROGRAMS = 64
 
 
@@ -193,7 +195,8 @@ class Programs:
         try:
             if self.fail_next is not None and self.fail_next(fn.__name__):
                 raise RuntimeError(f"injected compile failure of {fn.__name__}")
-            compiled = _jit(fn, static, getattr(fn, "donate", ())).lower(*args).compile()
+            with collection_paused():
+                compiled = _jit(fn, static, getattr(fn, "donate", ())).lower(*args).compile()
         except Exception as e:  # noqa: BLE001 — any compiler error is the caller's ProgramError
             entry.error = ProgramError(f"compiling {fn.__name__}({_describe(static)}) failed: "
                                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
