@@ -28,7 +28,8 @@ LENGTHS = (1, 2, 4, 8)
 def plain_round_seconds(target, proposer, prompt: list[int], rounds: int) -> float:
     """Seconds per round of one segment of ``rounds`` plain rounds under the adaptive policy (statistics kept)."""
     policy = adaptive.make_policy(LENGTHS, dict.fromkeys(LENGTHS, 1.0))
-    return segment_seconds(target, proposer, prompt, 1, False, rounds, max(LENGTHS), policy)
+    seconds, ran = segment_seconds(target, proposer, prompt, 1, False, rounds, max(LENGTHS), policy)
+    return seconds / ran
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """What one round of the speculative loop costs at each verify length, × our AR decode step, side by side in
 one process: a segment of ``--rounds`` rounds held at T (a fixed policy; T = 1 is a plain round, ``peek`` a
-plain round plus a one-token draft), one dispatch and one read-back each as the decoder runs them; our AR
-decode (``generate``) timed between them. Interleaved repeats, medians, prefill excluded. Usage:
+plain round plus a one-token draft: its segment less the plain rounds that follow it there), one dispatch and one
+read-back each as the decoder runs them; our AR decode (``generate``) timed between them. Interleaved repeats,
+medians, prefill excluded. Usage:
 
     python experiments/adaptive/round_cost.py [--domain code] [--rounds 16] [--repeats 9] [--json out.json]
 """
@@ -30,15 +31,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def segment_seconds(target, proposer, prompt: list[int], t: int, peek: bool, rounds: int, t_max: int,
-                    policy: adaptive.VerifyPolicy | None = None) -> float:
-    """Seconds per round of one segment of ``rounds`` rounds at verify length ``t`` after a fresh prefill, under
-    ``policy`` (None: the fixed length ``t``, no statistics kept)."""
+                    policy: adaptive.VerifyPolicy | None = None) -> tuple[float, int]:
+    """Seconds of one segment of up to ``rounds`` rounds at verify length ``t`` after a fresh prefill, under
+    ``policy`` (None: the fixed length ``t``, no statistics kept), and the rounds it ran (a peek's segment runs the
+    peek, then the plain rounds until the policy's next probe: fewer than ``rounds``)."""
     carry, stop = fresh(target, proposer, prompt, rounds * t + 8, t_max)
     policy, max_rounds = policy or adaptive.fixed_policy(t), jnp.int32(rounds)
     begin = time.perf_counter()
     out = run_segment(target, proposer, *carry, stop, max_rounds, policy, verify_len=t, greedy=True, peek=peek)
-    jax.device_get((out[2], out[1].iterations))
-    return (time.perf_counter() - begin) / rounds
+    _, ran = jax.device_get((out[2], out[1].iterations))
+    return time.perf_counter() - begin, int(ran)
 
 
 def main() -> None:
@@ -63,7 +65,11 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in cases} | {"AR step": []}
     for _ in range(args.repeats):
         for name, (t, peek) in cases.items():
-            times[name].append(segment_seconds(target, proposer, prompt, t, peek, args.rounds, t_max))
+            seconds, ran = segment_seconds(target, proposer, prompt, t, peek, args.rounds, t_max)
+            if peek:  # the peek alone: its segment less the plain rounds after it, at this repeat's T = 1 cost
+                seconds -= (ran - 1) * times["T=1"][-1]
+                ran = 1
+            times[name].append(seconds / ran)
         times["AR step"].append(generate(target, [prompt], ar_tokens, stop_ids=[]).decode_seconds / ar_tokens)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     ar = medians["AR step"]
