@@ -141,10 +141,10 @@ _resume = True  # whether the collector was on when the first of them began
 def collection_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off while a program is traced, lowered and compiled. Tracing allocates
     objects by the hundred thousand, and each full collection that triggers walks the whole heap (a process that
-    imported transformers holds ~400k objects): ~0.5 s of a first plain call's compile, ~1.2 s of a first speculative
-    one's on a 2-core CPU (``experiments/adaptive/compile_gc.py``).
-    Re-enabled when the last concurrent compile ends (the server compiles on a background thread); what the
-    compile left behind is collected then, in one pass. A collector the caller had switched off stays off."""
+    imported transformers holds ~400k objects): ~0.5 s of a first plain call's compile, ~1.2 s of a first
+    speculative one's on a 2-core CPU (``experiments/adaptive/compile_gc.py``). Re-enabled when the last
+    concurrent compile ends (the server compiles on a background thread); what the compiles left behind is
+    collected then, in one pass. A collector the caller had switched off stays off."""
     global _paused, _resume
     with _paused_lock:
         _paused += 1
