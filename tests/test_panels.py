@@ -17,6 +17,7 @@ import pytest
 from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import init_drafter, load_draft
+from dspine_jax.drafters.params import pack_drafter
 from dspine_jax.models import panels, quant
 from dspine_jax.models.target import load_target
 from dspine_jax.parallel.mesh import make_mesh
@@ -47,6 +48,35 @@ def test_a_rows_product_is_the_same_bits_in_any_block():
     # Leading axes are rows too ([B, T, K]), and vmap over rows keeps the bits.
     np.testing.assert_array_equal(np.asarray(product(block.reshape(3, 4, 576), packed)).reshape(12, -1), alone)
     np.testing.assert_array_equal(np.asarray(jax.vmap(product, in_axes=(0, None))(block[:, None], packed))[:, 0], alone)
+
+
+def bf16_values(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    """float32 values that are all bfloat16 values (a bfloat16 checkpoint loaded as float32)."""
+    return np.array(jnp.asarray(rng.standard_normal(shape, np.float32)).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_a_bfloat16_matrix_is_packed_in_bfloat16_with_the_same_products():
+    """A matrix whose values are all bfloat16 packs in half the bytes, and its products are the float32 packing's
+    bits for every row count; a single value off bfloat16 keeps the matrix in float32."""
+    rng = np.random.default_rng(2)
+    w = bf16_values(rng, (576, 1024))
+    compact = panels.pack(w)
+    wide = panels.PanelWeight(compact.panels.astype(jnp.float32))
+    assert compact.panels.dtype == jnp.bfloat16 and compact.dtype == jnp.float32
+    assert compact.panels.nbytes * 2 == wide.panels.nbytes
+    np.testing.assert_array_equal(np.asarray(compact.unpacked()), w)
+    product = jax.jit(lambda x, p: x @ p)
+    for t in (1, 2, 3, 4, 5, 8, 9):
+        x = jnp.asarray(rng.standard_normal((t, 576), np.float32))
+        got = np.asarray(product(x, compact))
+        np.testing.assert_array_equal(got, np.asarray(product(x, wide)))
+        np.testing.assert_allclose(got, np.asarray(x) @ w, rtol=2e-5, atol=2e-5)
+    ids = jnp.asarray([[0, 17], [1023, 5]])
+    columns = quant.take_columns(compact, ids)
+    assert columns.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(columns), np.take(w, np.asarray(ids), axis=1))
+    w[3, 7] = np.nextafter(w[3, 7], np.float32(np.inf))
+    assert panels.pack(w).panels.dtype == jnp.float32
 
 
 def test_packed_matrices_stand_in_for_arrays():
@@ -91,6 +121,25 @@ def test_a_drafter_loaded_for_a_packed_target_is_packed_too(tiny_models):
     mesh = make_mesh(tp=1, dp=1)
     assert not panels.is_packed(shard_drafter(drafter, mesh).params)
     assert not panels.is_packed(shard_target(packed, mesh).params)
+
+
+def test_a_bfloat16_drafter_drafts_the_same_from_bfloat16_panels(tiny_models):
+    """A drafter whose weights are bfloat16 values (as a bfloat16 checkpoint loads) packs its matrices in
+    bfloat16; it proposes what the same drafter with float32 panels proposes, and decoding stays exact."""
+    packed = load_target(tiny_models["llama"][0])
+    drafter = load_draft("init:dspine:4", packed)
+    values = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
+                          panels.unpack_params(drafter.params))  # fmt: skip
+    compact = pack_drafter(drafter.replace(params=values), packed)
+    wide = drafter.replace(params=jax.tree.map(
+        lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if isinstance(w, panels.PanelWeight) else w,
+        compact.params, is_leaf=lambda x: isinstance(x, panels.PanelWeight)))  # fmt: skip
+    assert compact.params.fc.panels.dtype == jnp.bfloat16 and wide.params.fc.panels.dtype == jnp.float32
+    prompt = [[5, 17, 33, 9, 60, 11], [7, 3]]
+    reference = generate(packed, prompt, 20, stop_ids=[]).token_ids
+    runs = [speculative_generate(packed, d, prompt, 20, stop_ids=[], verify=4) for d in (compact, wide)]
+    assert runs[0].token_ids == runs[1].token_ids == reference
+    assert runs[0].acceptance_lengths == runs[1].acceptance_lengths
 
 
 def test_without_a_compiler_the_target_keeps_xlas_products(tmp_path):

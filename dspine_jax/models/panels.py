@@ -11,6 +11,10 @@ Exactness: the kernel sums every output over ``k`` in the same order whatever th
 products are the same bits in a one-token step and in any verify block (``test_panels.py``): greedy
 speculative output no longer rests on XLA's one-row and many-row matmuls rounding alike.
 
+A matrix whose float32 values are all bfloat16 values (a checkpoint stored in bfloat16 and loaded as float32, e.g.
+the shipped DSpine drafter) is packed in bfloat16: the kernel widens each value back to the same float32 before
+the same multiply-adds, so its products are the same bits from half the bytes (a memory-bound step reads them all).
+
 ``PanelWeight`` stands in for the array it replaces (``x @ w``, ``quant.matmul_f32``, ``quant.take_columns``,
 ``quant.dequantize``), like ``quant.Int8Weight``. Prefill runs through the kernel too: each 8-row group rereads a
 panel from cache, and a 512-token prefill of SmolLM2 took 841 ms against XLA's 892 ms here (XLA's matmul on the
@@ -45,13 +49,15 @@ from dspine_jax.models import hub
 
 PANEL = 16  # columns per panel (the kernel's vector width)
 PRODUCTS = ("auto", "panels", "xla")
-FFI_TARGET = "dspine_panel_matmul"
+FFI_TARGETS = {jnp.dtype(jnp.float32): ("dspine_panel_matmul", "DspinePanelMatmul"),
+               jnp.dtype(jnp.bfloat16): ("dspine_panel_matmul_bf16", "DspinePanelMatmulBf16")}  # fmt: skip
 _log = logging.getLogger("dspine_jax")
 
 
 @struct.dataclass
 class PanelWeight:
-    """``W [K, N]`` stored as ``panels [N / PANEL, K, PANEL]`` (float32)."""
+    """``W [K, N]`` (float32) stored as ``panels [N / PANEL, K, PANEL]``: float32, or bfloat16 where every value
+    of ``W`` is one (``pack``)."""
 
     panels: Array
 
@@ -62,7 +68,8 @@ class PanelWeight:
 
     @property
     def dtype(self) -> jnp.dtype:
-        return self.panels.dtype
+        """float32: the dtype of the matrix it stands for (and of its products), whatever the panels hold."""
+        return jnp.dtype(jnp.float32)
 
     @property
     def ndim(self) -> int:
@@ -71,7 +78,7 @@ class PanelWeight:
     def unpacked(self) -> Array:
         """``W [K, N]`` (a copy: the kernel's reference, and the matrix for code that needs one)."""
         p, k, c = self.panels.shape
-        return self.panels.transpose(1, 0, 2).reshape(k, p * c)
+        return self.panels.transpose(1, 0, 2).reshape(k, p * c).astype(jnp.float32)
 
     def __rmatmul__(self, x: Array) -> Array:
         return panel_matmul(x, self)
@@ -82,11 +89,17 @@ class PanelWeight:
 
 
 def pack(w: Array | np.ndarray) -> PanelWeight:
-    """``w [K, N]`` (N a multiple of ``PANEL``) in panels."""
+    """``w [K, N]`` float32 (N a multiple of ``PANEL``) in panels; in bfloat16 when that holds every value
+    exactly (the low 16 bits of each float32 are zero), else in float32."""
     k, n = w.shape
     if n % PANEL:
         raise ValueError(f"a packed matrix needs a multiple of {PANEL} columns, got {n}")
-    return PanelWeight(jnp.asarray(np.asarray(w).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)))
+    bits = np.ascontiguousarray(w, np.float32).view(np.uint32)
+    if not np.any(bits & 0xFFFF):
+        values = (bits >> 16).astype(np.uint16).view(jnp.bfloat16)
+    else:
+        values = bits.view(np.float32)
+    return PanelWeight(jnp.asarray(values.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)))
 
 
 def panel_matmul(x: Array, w: PanelWeight) -> Array:
@@ -99,8 +112,8 @@ def panel_matmul(x: Array, w: PanelWeight) -> Array:
     x = x.astype(jnp.float32)
     if x.size == 0:
         return jnp.zeros((*x.shape[:-1], n), jnp.float32)
-    call = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32),
-                            vmap_method="expand_dims")  # fmt: skip
+    target = FFI_TARGETS[jnp.dtype(w.panels.dtype)][0]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32), vmap_method="expand_dims")
     return call(x, w.panels)
 
 
@@ -145,7 +158,8 @@ def kernel_available() -> bool:
             _log.info("building the CPU panel kernel (once per machine; cached in %s)", path.parent)
             _build(path)
         library = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(library.DspinePanelMatmul), platform="cpu")
+        for name, symbol in FFI_TARGETS.values():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
         return True
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e

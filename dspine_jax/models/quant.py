@@ -94,7 +94,7 @@ def take_columns(w: Int8Weight | PanelWeight | Array, ids: Array) -> Array:
         return jnp.take(w.q, ids, axis=1).astype(w.dtype) * jnp.take(w.column_scale(w.dtype), ids)
     if isinstance(w, PanelWeight):  # column j is panels[j // PANEL, :, j % PANEL]
         rows = w.panels[ids // PANEL, :, ids % PANEL]  # [*ids.shape, I]
-        return jnp.moveaxis(rows, -1, 0)
+        return jnp.moveaxis(rows, -1, 0).astype(w.dtype)
     return jnp.take(w, ids, axis=1)
 
 

@@ -5,6 +5,9 @@ read-back each as the decoder runs them; our AR decode (``generate``) timed betw
 medians, prefill excluded. Usage:
 
     python experiments/adaptive/round_cost.py [--domain code] [--rounds 16] [--repeats 9] [--json out.json]
+
+``--f32-drafter`` adds each drafted length with the drafter's bfloat16 panels widened to float32 (the same
+products from twice the bytes: what packing a bfloat16 checkpoint in bfloat16 saves).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.decoder import run_segment
 from dspine_jax.decoding.proposers import as_proposer
 from dspine_jax.drafters.io import load_draft
+from dspine_jax.models import panels
 from dspine_jax.models.target import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,21 +55,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", default=None, help="also write the medians here")
+    ap.add_argument("--f32-drafter", action="store_true", help="also time drafted rounds with float32 drafter panels")
     args = ap.parse_args()
     target = load_target(args.model)
     prompt = heldout_prompt(args.model, args.domain)
     proposer = as_proposer(load_draft(args.draft, target))
     lengths = adaptive.candidate_lengths(proposer.block_limit)
     t_max = max(lengths)
-    cases = {f"T={t}": (t, False) for t in lengths} | {"peek": (1, True)}
+    cases = {f"T={t}": (t, False, proposer) for t in lengths} | {"peek": (1, True, proposer)}
+    if args.f32_drafter:
+        packed = lambda x: isinstance(x, panels.PanelWeight)
+        wide = jax.tree.map(lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if packed(w) else w, proposer,
+                            is_leaf=packed)  # fmt: skip
+        cases |= {f"T={t} f32": (t, False, wide) for t in lengths if t > 1}
     ar_tokens = args.rounds * 4
-    for t, peek in cases.values():  # compile every program
-        segment_seconds(target, proposer, prompt, t, peek, args.rounds, t_max)
+    for t, peek, drafter in cases.values():  # compile every program
+        segment_seconds(target, drafter, prompt, t, peek, args.rounds, t_max)
     generate(target, [prompt], ar_tokens, stop_ids=[])
     times: dict[str, list[float]] = {k: [] for k in cases} | {"AR step": []}
     for _ in range(args.repeats):
-        for name, (t, peek) in cases.items():
-            seconds, ran = segment_seconds(target, proposer, prompt, t, peek, args.rounds, t_max)
+        for name, (t, peek, drafter) in cases.items():
+            seconds, ran = segment_seconds(target, drafter, prompt, t, peek, args.rounds, t_max)
             if peek:  # the peek alone: its segment less the plain rounds after it, at this repeat's T = 1 cost
                 seconds -= (ran - 1) * times["T=1"][-1]
                 ran = 1

@@ -16,6 +16,10 @@
 // Every output element is the sum over k = 0 … K-1, in that order, of x[m, k] · W[k, n] (one multiply-add
 // each): the same operations whatever M is and whichever group a row falls in, so a row's result is the same
 // bits in a one-token step and in any verify block.
+//
+// W may also arrive as bfloat16 (the upper halves of float32 values, for a matrix whose values all are
+// bfloat16, e.g. a checkpoint stored in it): each is widened to its float32 value, exactly, before the same
+// multiply-adds, so the products are the same bits as with the float32 matrix, from half the bytes.
 #include <cstdint>
 #include <algorithm>
 #include <atomic>
@@ -29,17 +33,34 @@ namespace ffi = xla::ffi;
 
 constexpr int64_t kPanel = 16;  // columns per panel
 constexpr int kGroup = 8;       // rows per pass over a panel
-constexpr int64_t kAhead = 64;  // cache lines (values of k) each stream is prefetched ahead
+constexpr int64_t kAheadBytes = 64 * 64;  // each stream is prefetched 64 cache lines ahead
 #if defined(__AVX512F__)
 constexpr int kWideFew = 4, kWideMany = 3;  // panels per pass for ≤ 4 rows, for 5–8: 32 registers of 16 lanes
 #else
 constexpr int kWideFew = 2, kWideMany = 2;  // 16 registers of 8 or 4 lanes: two panels, as before (not re-tuned)
 #endif
 typedef float Lanes __attribute__((vector_size(kPanel * sizeof(float))));
+typedef uint16_t Halves __attribute__((vector_size(kPanel * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(kPanel * sizeof(uint32_t))));
+
+// One panel row (16 values of W) as float32 lanes: float32 as stored, bfloat16 (uint16_t) widened exactly.
+static inline Lanes LoadRow(const float* row) {
+  Lanes v;
+  std::memcpy(&v, row, sizeof(Lanes));
+  return v;
+}
+static inline Lanes LoadRow(const uint16_t* row) {
+  Halves h;
+  std::memcpy(&h, row, sizeof(Halves));
+  const Words bits = __builtin_convertvector(h, Words) << 16;
+  Lanes v;
+  std::memcpy(&v, &bits, sizeof(Lanes));
+  return v;
+}
 
 // R rows against P consecutive panels: one broadcast of x[r, k] feeds all P.
-template <int R, int P>
-static inline void Panels(const float* __restrict x, const float* __restrict panel, float* __restrict out,
+template <int R, int P, typename W>
+static inline void Panels(const float* __restrict x, const W* __restrict panel, float* __restrict out,
                           int64_t k_dim, int64_t n_dim) {
   const int64_t stride = k_dim * kPanel;
   Lanes acc[P][R];
@@ -49,8 +70,9 @@ static inline void Panels(const float* __restrict x, const float* __restrict pan
     Lanes w[P];
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
-      __builtin_prefetch(panel + p * stride + (k + kAhead) * kPanel);
-      std::memcpy(&w[p], panel + p * stride + k * kPanel, sizeof(Lanes));
+      const W* row = panel + p * stride + k * kPanel;
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + kAheadBytes);
+      w[p] = LoadRow(row);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -64,8 +86,8 @@ static inline void Panels(const float* __restrict x, const float* __restrict pan
 }
 
 // Rows [m, m + R) against panels [first, last): kWideFew or kWideMany panels at a time, then the rest.
-template <int R>
-static inline void Group(const float* x, const float* ws, float* os, int64_t k_dim, int64_t n_dim, int64_t first,
+template <int R, typename W>
+static inline void Group(const float* x, const W* ws, float* os, int64_t k_dim, int64_t n_dim, int64_t first,
                          int64_t last) {
   constexpr int kWide = R <= 4 ? kWideFew : kWideMany;
   int64_t p = first;
@@ -74,7 +96,8 @@ static inline void Group(const float* x, const float* ws, float* os, int64_t k_d
   if (p < last) Panels<R, 1>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
 }
 
-static void Span(const float* xs, const float* ws, float* os, int64_t m_dim, int64_t k_dim, int64_t n_dim,
+template <typename W>
+static void Span(const float* xs, const W* ws, float* os, int64_t m_dim, int64_t k_dim, int64_t n_dim,
                  int64_t first, int64_t last) {
   int64_t m = 0;
   for (; m + kGroup <= m_dim; m += kGroup) Group<kGroup>(xs + m * k_dim, ws, os + m * n_dim, k_dim, n_dim, first, last);
@@ -96,9 +119,10 @@ static void Span(const float* xs, const float* ws, float* os, int64_t m_dim, int
 // only for chunks already claimed (running somewhere), never for a task still queued: a pool busy with other
 // work cannot deadlock it. A task that starts after every chunk is claimed finds nothing to do; it holds the
 // shared state (not the caller's stack), so it may outlive the call.
+template <typename W>
 struct Work {
   const float* x;
-  const float* w;
+  const W* w;
   float* out;
   int64_t m_dim, k_dim, n_dim, panels, chunks;
   std::atomic<int64_t> next{0};
@@ -112,7 +136,8 @@ struct Work {
   }
 };
 
-static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType D>
+static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w,
                               ffi::ResultBuffer<ffi::F32> out) {
   // W is [..., N / 16, K, 16] with leading axes of size 1 (vmap adds one).
   const auto dims = w.dimensions();
@@ -123,7 +148,7 @@ static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   }
   const int64_t panels = dims[rank - 3], k_dim = dims[rank - 2];
   if (k_dim == 0 || x.element_count() % k_dim) return ffi::Error::InvalidArgument("x's last axis must be K");
-  auto work = std::make_shared<Work>();
+  auto work = std::make_shared<Work<ffi::NativeType<D>>>();
   work->x = x.typed_data();
   work->w = w.typed_data();
   work->out = out->typed_data();
@@ -140,9 +165,16 @@ static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DspinePanelMatmul, PanelMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DspinePanelMatmul, PanelMatmul<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // W [N / 16, K, 16]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [..., N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DspinePanelMatmulBf16, PanelMatmul<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // W [N / 16, K, 16], bfloat16
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // out [..., N]

@@ -1,0 +1,79 @@
+"""What packing a bfloat16 checkpoint's matrices in bfloat16 saves (``models/panels.py``): the shipped DSpine drafter
+(stored in bfloat16, loaded as float32) with its panels in bfloat16, as ``load_draft`` packs them now, against the
+same panels widened to float32 (as packed before). The products are the same bits either way (checked here on
+the drafts); the pieces of a drafted round that read the drafter's matrices are timed interleaved, medians.
+
+    python experiments/adaptive/compact_panels.py [--draft checkpoints/smollm2-135m-dspine-b8] [--repeats 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspine_jax.bench import interleaved_median_ms, machine_info
+from dspine_jax.decoding import speculative as spec
+from dspine_jax.decoding.proposers import as_proposer
+from dspine_jax.drafters.io import load_draft
+from dspine_jax.models import panels
+from dspine_jax.models import target as tgt
+from dspine_jax.models.sampling import Sampling
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def is_packed(x) -> bool:
+    return isinstance(x, panels.PanelWeight)
+
+
+def widened(tree):
+    """``tree`` with every packed matrix's panels in float32."""
+    return jax.tree.map(lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if is_packed(w) else w, tree,
+                        is_leaf=is_packed)  # fmt: skip
+
+
+def panel_megabytes(tree) -> float:
+    return sum(w.panels.nbytes for w in jax.tree.leaves(tree, is_leaf=is_packed) if is_packed(w)) / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default=str(ROOT / "checkpoints/smollm2-135m-dspine-b8"))
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=60)
+    args = ap.parse_args()
+    target = tgt.load_target(args.model)
+    compact = as_proposer(load_draft(args.draft, target))
+    forms = {"bfloat16 panels": compact, "float32 panels": widened(compact)}
+    n = args.context
+    tokens = jnp.asarray([list(range(100, 100 + n))], jnp.int32)
+    _, state, first = spec.prefill(target, compact, tokens, jnp.asarray([n], jnp.int32), jax.random.key(0),
+                                   jnp.float32(1.0), jnp.float32(1.0), capacity=n + 64, top_k=0, greedy=True)
+    keys, sampling = jax.random.split(jax.random.key(1), 1), Sampling.rows(1)
+    propose = jax.jit(lambda pr, s, a, k, num: pr.propose(target, s, a, jnp.ones((1,), jnp.int32), k, sampling, num),
+                      static_argnums=4)  # fmt: skip
+    tapped = jnp.zeros((len(compact.taps), 1, 8, target.config.hidden_size), jnp.float32)
+    append = jax.jit(lambda pr, s, x: pr.flush(target, pr.commit(target, s, None, x, jnp.asarray([8]))))
+    drafts = {name: jax.device_get(propose(pr, state, first, keys, 7)) for name, pr in forms.items()}
+    same = all(np.array_equal(d.tokens, drafts["bfloat16 panels"].tokens) and np.array_equal(d.q, drafts["bfloat16 panels"].q)
+               for d in drafts.values())  # fmt: skip
+    calls = {}
+    for name, pr in forms.items():
+        for num in (3, 7):
+            calls[f"whole draft, {num} proposals, {name}"] = lambda pr=pr, num=num: propose(pr, state, first, keys, num)
+        calls[f"context append (8 tokens), {name}"] = lambda pr=pr: append(pr, state, tapped)
+    ms = interleaved_median_ms(calls, args.repeats)
+    print(f"{machine_info()}; context {n}; medians of {args.repeats}, interleaved; drafts identical: {same}")
+    for name, pr in forms.items():
+        print(f"{name}: {panel_megabytes(pr):.1f} MB of packed matrices")
+    for name, value in ms.items():
+        print(f"{name:52s} {value:7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
