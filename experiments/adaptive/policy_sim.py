@@ -204,6 +204,7 @@ VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relati
     "auto": ({}, decoder.DECIDE_EVERY, True, True),
     "auto, a segment every 4 rounds and probes apart (no hold)": ({}, decoder.DECIDE_EVERY, False, True),
     "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, True, False),
+    "auto, probes verify 4 (no peeks)": ({"PROBE_LENGTH": 4}, decoder.DECIDE_EVERY, True, False),
     "auto, probes priced without their launch": ({"PROBE_LAUNCHES": 0.0}, decoder.DECIDE_EVERY, True, True),
     "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY, True, True),
     "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY, True, True),
