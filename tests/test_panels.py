@@ -19,7 +19,7 @@ from dspine_jax.decoding.speculative import speculative_generate
 from dspine_jax.drafters.io import init_drafter, load_draft
 from dspine_jax.drafters.params import pack_drafter
 from dspine_jax.models import panels, quant
-from dspine_jax.models.target import load_target
+from dspine_jax.models.target import QUANTIZED_MATRICES, load_target
 from dspine_jax.parallel.mesh import make_mesh
 from dspine_jax.parallel.sharding import shard_drafter, shard_target
 
@@ -140,6 +140,21 @@ def test_a_bfloat16_drafter_drafts_the_same_from_bfloat16_panels(tiny_models):
     runs = [speculative_generate(packed, d, prompt, 20, stop_ids=[], verify=4) for d in (compact, wide)]
     assert runs[0].token_ids == runs[1].token_ids == reference
     assert runs[0].acceptance_lengths == runs[1].acceptance_lengths
+
+
+def test_a_target_holding_bfloat16_values_decodes_the_same_from_bfloat16_panels(tiny_models):
+    """A target whose weights are bfloat16 values (a bfloat16 checkpoint loaded as float32) packs its matrices and
+    head in bfloat16 and decodes the tokens it decodes from float32 panels."""
+    packed = load_target(tiny_models["llama"][0])
+    values = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
+                          panels.unpack_params(packed.params))  # fmt: skip
+    compact = packed.replace(params=panels.pack_params(values, QUANTIZED_MATRICES))
+    wide = packed.replace(params=jax.tree.map(
+        lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if isinstance(w, panels.PanelWeight) else w,
+        compact.params, is_leaf=lambda x: isinstance(x, panels.PanelWeight)))  # fmt: skip
+    assert compact.params.lm_head.panels.dtype == jnp.bfloat16 and wide.params.lm_head.panels.dtype == jnp.float32
+    prompt = [[5, 17, 33, 9, 60, 11], [7, 3]]
+    assert generate(compact, prompt, 24, stop_ids=[]).token_ids == generate(wide, prompt, 24, stop_ids=[]).token_ids
 
 
 def test_without_a_compiler_the_target_keeps_xlas_products(tmp_path):
