@@ -55,13 +55,26 @@ def bf16_values(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
     return np.array(jnp.asarray(rng.standard_normal(shape, np.float32)).astype(jnp.bfloat16).astype(jnp.float32))
 
 
+def bf16_rounded(params):
+    """``params`` unpacked, every float32 leaf rounded to bfloat16 values (kept in float32)."""
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
+                        panels.unpack_params(params))  # fmt: skip
+
+
+def widened(params):
+    """``params`` with every packed matrix's panels in float32 (what ``pack`` stored before bfloat16 panels)."""
+    packed = lambda x: isinstance(x, panels.PanelWeight)
+    return jax.tree.map(lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if packed(w) else w, params,
+                        is_leaf=packed)  # fmt: skip
+
+
 def test_a_bfloat16_matrix_is_packed_in_bfloat16_with_the_same_products():
     """A matrix whose values are all bfloat16 packs in half the bytes, and its products are the float32 packing's
     bits for every row count; a single value off bfloat16 keeps the matrix in float32."""
     rng = np.random.default_rng(2)
     w = bf16_values(rng, (576, 1024))
     compact = panels.pack(w)
-    wide = panels.PanelWeight(compact.panels.astype(jnp.float32))
+    wide = widened(compact)
     assert compact.panels.dtype == jnp.bfloat16 and compact.dtype == jnp.float32
     assert compact.panels.nbytes * 2 == wide.panels.nbytes
     np.testing.assert_array_equal(np.asarray(compact.unpacked()), w)
@@ -128,12 +141,8 @@ def test_a_bfloat16_drafter_drafts_the_same_from_bfloat16_panels(tiny_models):
     bfloat16; it proposes what the same drafter with float32 panels proposes, and decoding stays exact."""
     packed = load_target(tiny_models["llama"][0])
     drafter = load_draft("init:dspine:4", packed)
-    values = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
-                          panels.unpack_params(drafter.params))  # fmt: skip
-    compact = pack_drafter(drafter.replace(params=values), packed)
-    wide = drafter.replace(params=jax.tree.map(
-        lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if isinstance(w, panels.PanelWeight) else w,
-        compact.params, is_leaf=lambda x: isinstance(x, panels.PanelWeight)))  # fmt: skip
+    compact = pack_drafter(drafter.replace(params=bf16_rounded(drafter.params)), packed)
+    wide = drafter.replace(params=widened(compact.params))
     assert compact.params.fc.panels.dtype == jnp.bfloat16 and wide.params.fc.panels.dtype == jnp.float32
     prompt = [[5, 17, 33, 9, 60, 11], [7, 3]]
     reference = generate(packed, prompt, 20, stop_ids=[]).token_ids
@@ -146,12 +155,8 @@ def test_a_target_holding_bfloat16_values_decodes_the_same_from_bfloat16_panels(
     """A target whose weights are bfloat16 values (a bfloat16 checkpoint loaded as float32) packs its matrices and
     head in bfloat16 and decodes the tokens it decodes from float32 panels."""
     packed = load_target(tiny_models["llama"][0])
-    values = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
-                          panels.unpack_params(packed.params))  # fmt: skip
-    compact = packed.replace(params=panels.pack_params(values, QUANTIZED_MATRICES))
-    wide = packed.replace(params=jax.tree.map(
-        lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if isinstance(w, panels.PanelWeight) else w,
-        compact.params, is_leaf=lambda x: isinstance(x, panels.PanelWeight)))  # fmt: skip
+    compact = packed.replace(params=panels.pack_params(bf16_rounded(packed.params), QUANTIZED_MATRICES))
+    wide = packed.replace(params=widened(compact.params))
     assert compact.params.lm_head.panels.dtype == jnp.bfloat16 and wide.params.lm_head.panels.dtype == jnp.float32
     prompt = [[5, 17, 33, 9, 60, 11], [7, 3]]
     assert generate(compact, prompt, 24, stop_ids=[]).token_ids == generate(wide, prompt, 24, stop_ids=[]).token_ids
