@@ -5,7 +5,8 @@ XLA:CPU streams a matrix near the memory bandwidth for one row but packs it agai
 more, so a verify of 4 tokens cost ~1.3–1.5× a one-token step (``experiments/adaptive/RESULTS.md``). Here a
 matrix ``W [K, N]`` is stored as ``PanelWeight``: panels of 16 columns, ``[N / 16, K, 16]``, each one
 contiguous stream, and ``kernels/cpu/panel_matmul.cc`` (an XLA FFI custom call, both cores) reads each panel
-once per 8 rows, so a verify's products cost little more than a one-token step's.
+once per group of rows (8 with AVX-512, 6 with AVX2), so a verify's products cost little more than a one-token
+step's.
 
 Exactness: the kernel sums every output over ``k`` in the same order whatever the number of rows, so a row's
 products are the same bits in a one-token step and in any verify block (``test_panels.py``): greedy
@@ -16,11 +17,13 @@ the shipped DSpine drafter) is packed in bfloat16: the kernel widens each value 
 the same multiply-adds, so its products are the same bits from half the bytes (a memory-bound step reads them all).
 
 ``PanelWeight`` stands in for the array it replaces (``x @ w``, ``quant.matmul_f32``, ``quant.take_columns``,
-``quant.dequantize``), like ``quant.Int8Weight``. Prefill runs through the kernel too: each 8-row group rereads a
-panel from cache, and a 512-token prefill of SmolLM2 took 841 ms against XLA's 892 ms here (XLA's matmul on the
-unpacked view, which copies every matrix per call, took 1009 ms).
+``quant.dequantize``), like ``quant.Int8Weight``. Prefill runs through the kernel too: every row group rereads a
+block of panels from cache, and a 512-token prefill of SmolLM2 took 841 ms against XLA's 892 ms on a 2-core
+AVX-512 Xeon (XLA's matmul on the unpacked view, which copies every matrix per call, took 1009 ms), 1300 against
+1325 ms on a 2-core AVX2 EPYC.
 
-``pack_params(params, "auto")`` packs on a CPU backend, float32 weights, one device, when the kernel builds
+``pack_params(params, "auto")`` packs on a CPU the kernel was tuned for (x86-64 with AVX2 and FMA, AVX-512 or
+not), float32 weights, one device, when the kernel builds
 (``g++`` at first use, cached under the cache root); anything else keeps XLA's products (``"xla"``). The
 kernel's reference is ``x @ w.unpacked()``.
 """
@@ -128,12 +131,7 @@ def _source() -> Path:
 
 def _library_path() -> Path:
     """Where the kernel built for this source, jaxlib and CPU lives (``-march=native``: per CPU model)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
+    cpu = (platform.processor() or platform.machine()) + " ".join(sorted(cpu_flags()))
     identity = _source().read_bytes() + f"|{jax.__version__}|{sys.platform}|{cpu}".encode()
     digest = hashlib.sha256(identity).hexdigest()[:16]
     return hub.default_cache_dir() / "kernels" / f"panel_matmul-{digest}.so"
@@ -172,8 +170,9 @@ def kernel_available() -> bool:
 
 
 def resolve_products(products: str, params: Any) -> str:
-    """``"auto"`` → ``"panels"`` on a CPU backend with float32 weights on one device and the kernel built, else
-    ``"xla"``; ``"panels"`` is checked the same way (an error says why not)."""
+    """``"auto"`` → ``"panels"`` on a CPU backend the kernel was tuned for (``tuned_for_this_cpu``) with float32
+    weights on one device and the kernel built, else ``"xla"``; ``"panels"`` is checked the same way (an error says
+    why not), except for the CPU's kind."""
     if products not in PRODUCTS:
         raise ValueError(f"products must be one of {', '.join(PRODUCTS)}, got {products!r}")
     if products == "xla":
@@ -190,11 +189,30 @@ def resolve_products(products: str, params: Any) -> str:
         if products == "panels":
             raise ValueError(f"packed products need float32 weights on one CPU device: {'; '.join(reasons)}")
         return "xla"
+    if products == "auto" and not tuned_for_this_cpu():
+        return "xla"
     if not kernel_available():
         if products == "panels":
             raise RuntimeError("the CPU panel kernel did not build (see the warning above)")
         return "xla"
     return "panels"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def tuned_for_this_cpu() -> bool:
+    """Whether the kernel's shapes were tuned and timed on CPUs like this one: x86-64 with AVX2 and FMA (its AVX-512
+    and AVX2 shapes). Elsewhere ``"auto"`` keeps XLA's products: built with shapes never timed there, the kernel
+    once cost 2.7× XLA's one-token step (AVX2 with the AVX-512 shapes); ``"panels"`` still packs."""
+    return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
 
 
 def map_matrices(params: Any, names: tuple[str, ...], fn) -> Any:

@@ -1,7 +1,7 @@
 // out[M, N] = x[M, K] @ W for few rows M (a decode step, a verify block), float32, on the CPU.
 //
 // W arrives packed in panels of 16 columns, [N / 16, K, 16] (prepared once at load time), so each panel is one
-// contiguous stream: the kernel reads a few panels at a time once per group of up to 8 rows, keeping the group's
+// contiguous stream: the kernel reads a few panels at a time once per group of rows (up to 8), keeping the group's
 // partial sums in vector registers (each x element broadcast once for all of them). XLA:CPU's general matmul
 // packs W on every call for M > 1, which is what makes a verify of a few tokens cost far more than a one-token
 // step.
@@ -12,6 +12,15 @@
 // ahead hides the latency the multiply-adds of several rows no longer cover. Measured on a 2-core AVX-512 Xeon
 // over SmolLM2-135M's products (experiments/adaptive/RESULTS.md, 2026-12-06 fourth run): from two panels
 // without prefetch, the products of 1 / 4 / 8 rows ~5 / 16 / 22 % faster.
+//
+// Without AVX-512 (AVX2: 16 registers of 8 lanes) a panel row is two vectors, so the shapes differ: groups of 6
+// rows, 4 / 2 / 1 panels per pass for 1 / 2–3 / 4–6 rows, at most 12 registers of sums. Built with the AVX-512
+// shapes (16-lane vectors, groups of 8 rows), AVX2 spilled its sums to the stack: on a 2-core AMD EPYC (Zen 3)
+// a SmolLM2-135M step took 65 ms (XLA's products: ~32 ms) and each verified token added ~55 % of a step; with
+// these shapes, 24.6 ms and a verify of 4 tokens 1.19× a step (experiments/adaptive/RESULTS.md, ninth run).
+//
+// Rows beyond one group (a long verify, a prefill) take every group over a block of kBlock panels before the next
+// block, so each block comes from memory once and from cache for the other groups.
 //
 // Every output element is the sum over k = 0 … K-1, in that order, of x[m, k] · W[k, n] (one multiply-add
 // each): the same operations whatever M is and whichever group a row falls in, so a row's result is the same
@@ -32,24 +41,33 @@
 namespace ffi = xla::ffi;
 
 constexpr int64_t kPanel = 16;  // columns per panel
-constexpr int kGroup = 8;       // rows per pass over a panel
 constexpr int64_t kAheadBytes = 64 * 64;  // each stream is prefetched 64 cache lines ahead
+// The machine's vectors: a panel row of 16 floats is kParts of them. Each pass keeps R rows × P panels of partial
+// sums in registers (R · P · kParts of them) beside one panel row per panel; the row group and the panels per pass
+// are chosen so that fits the register file (spilling accumulators made an AVX2 pass compute-bound).
 #if defined(__AVX512F__)
-constexpr int kWideFew = 4, kWideMany = 3;  // panels per pass for ≤ 4 rows, for 5–8: 32 registers of 16 lanes
+constexpr int kLanes = 16;  // 32 registers of 16 lanes
+constexpr int kGroup = 8;   // rows per pass over a panel
+template <int R> constexpr int Wide() { return R <= 4 ? 4 : 3; }  // 5–8 rows: 24 sums, the most that fit
+constexpr int64_t kBlock = 12;  // panels per block: whole passes of 4 and of 3
 #else
-constexpr int kWideFew = 2, kWideMany = 2;  // 16 registers of 8 or 4 lanes: two panels, as before (not re-tuned)
+constexpr int kLanes = 8;  // AVX2's 16 registers of 8 lanes (two SSE / NEON registers per vector elsewhere)
+constexpr int kGroup = 6;
+template <int R> constexpr int Wide() { return R == 1 ? 4 : R <= 3 ? 2 : 1; }  // at most 12 registers of sums
+constexpr int64_t kBlock = 4;
 #endif
-typedef float Lanes __attribute__((vector_size(kPanel * sizeof(float))));
-typedef uint16_t Halves __attribute__((vector_size(kPanel * sizeof(uint16_t))));
-typedef uint32_t Words __attribute__((vector_size(kPanel * sizeof(uint32_t))));
+constexpr int kParts = kPanel / kLanes;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-// One panel row (16 values of W) as float32 lanes: float32 as stored, bfloat16 (uint16_t) widened exactly.
-static inline Lanes LoadRow(const float* row) {
+// kLanes values of W as float32 lanes: float32 as stored, bfloat16 (uint16_t) widened exactly.
+static inline __attribute__((always_inline)) Lanes LoadLanes(const float* row) {
   Lanes v;
   std::memcpy(&v, row, sizeof(Lanes));
   return v;
 }
-static inline Lanes LoadRow(const uint16_t* row) {
+static inline __attribute__((always_inline)) Lanes LoadLanes(const uint16_t* row) {
   Halves h;
   std::memcpy(&h, row, sizeof(Halves));
   const Words bits = __builtin_convertvector(h, Words) << 16;
@@ -63,55 +81,65 @@ template <int R, int P, typename W>
 static inline void Panels(const float* __restrict x, const W* __restrict panel, float* __restrict out,
                           int64_t k_dim, int64_t n_dim) {
   const int64_t stride = k_dim * kPanel;
-  Lanes acc[P][R];
+  Lanes acc[P][R][kParts];
   for (int p = 0; p < P; ++p)
-    for (int r = 0; r < R; ++r) acc[p][r] = Lanes{};
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kParts; ++v) acc[p][r][v] = Lanes{};
   for (int64_t k = 0; k < k_dim; ++k) {
-    Lanes w[P];
+    Lanes w[P][kParts];
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const W* row = panel + p * stride + k * kPanel;
       __builtin_prefetch(reinterpret_cast<const char*>(row) + kAheadBytes);
-      w[p] = LoadRow(row);
+#pragma GCC unroll 2
+      for (int v = 0; v < kParts; ++v) w[p][v] = LoadLanes(row + v * kLanes);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * k_dim + k];
 #pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) acc[p][r] += xr * w[p];
+      for (int p = 0; p < P; ++p)
+#pragma GCC unroll 2
+        for (int v = 0; v < kParts; ++v) acc[p][r][v] += xr * w[p][v];
     }
   }
   for (int p = 0; p < P; ++p)
-    for (int r = 0; r < R; ++r) std::memcpy(out + r * n_dim + p * kPanel, &acc[p][r], sizeof(Lanes));
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kParts; ++v) std::memcpy(out + r * n_dim + p * kPanel + v * kLanes, &acc[p][r][v], sizeof(Lanes));
 }
 
-// Rows [m, m + R) against panels [first, last): kWideFew or kWideMany panels at a time, then the rest.
+// Rows [0, R) against panels [p, end): Wide<R>() panels per pass, then pairs (where two fit), then one.
 template <int R, typename W>
-static inline void Group(const float* x, const W* ws, float* os, int64_t k_dim, int64_t n_dim, int64_t first,
-                         int64_t last) {
-  constexpr int kWide = R <= 4 ? kWideFew : kWideMany;
-  int64_t p = first;
-  for (; p + kWide <= last; p += kWide) Panels<R, kWide>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
-  for (; p + 2 <= last; p += 2) Panels<R, 2>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
-  if (p < last) Panels<R, 1>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
+static inline void Block(const float* x, const W* ws, float* os, int64_t k_dim, int64_t n_dim, int64_t p,
+                         int64_t end) {
+  constexpr int kWide = Wide<R>();
+  for (; p + kWide <= end; p += kWide) Panels<R, kWide>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
+  if constexpr (kWide > 2) {
+    for (; p + 2 <= end; p += 2) Panels<R, 2>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
+  }
+  for (; p < end; ++p) Panels<R, 1>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
 }
 
+// The last rows * (< kGroup) rows: the group of that size.
+template <int R, typename W>
+static inline void Tail(int64_t rows, const float* x, const W* ws, float* os, int64_t k_dim, int64_t n_dim,
+                        int64_t p, int64_t end) {
+  if constexpr (R > 0) {
+    if (rows == R) return Block<R>(x, ws, os, k_dim, n_dim, p, end);
+    Tail<R - 1>(rows, x, ws, os, k_dim, n_dim, p, end);
+  }
+}
+
+// Rows [0, m_dim) against panels [first, last), kBlock panels at a time, every row group over a block before the
+// next block: a block is read from memory once, then from cache for the other row groups (a prefill's).
 template <typename W>
 static void Span(const float* xs, const W* ws, float* os, int64_t m_dim, int64_t k_dim, int64_t n_dim,
                  int64_t first, int64_t last) {
-  int64_t m = 0;
-  for (; m + kGroup <= m_dim; m += kGroup) Group<kGroup>(xs + m * k_dim, ws, os + m * n_dim, k_dim, n_dim, first, last);
-  const float* xr = xs + m * k_dim;
-  float* orow = os + m * n_dim;
-  switch (m_dim - m) {
-    case 7: Group<7>(xr, ws, orow, k_dim, n_dim, first, last); break;
-    case 6: Group<6>(xr, ws, orow, k_dim, n_dim, first, last); break;
-    case 5: Group<5>(xr, ws, orow, k_dim, n_dim, first, last); break;
-    case 4: Group<4>(xr, ws, orow, k_dim, n_dim, first, last); break;
-    case 3: Group<3>(xr, ws, orow, k_dim, n_dim, first, last); break;
-    case 2: Group<2>(xr, ws, orow, k_dim, n_dim, first, last); break;
-    case 1: Group<1>(xr, ws, orow, k_dim, n_dim, first, last); break;
-    default: break;
+  for (int64_t p = first; p < last; p += kBlock) {
+    const int64_t end = std::min<int64_t>(p + kBlock, last);
+    int64_t m = 0;
+    for (; m + kGroup <= m_dim; m += kGroup) Block<kGroup>(xs + m * k_dim, ws, os + m * n_dim, k_dim, n_dim, p, end);
+    Tail<kGroup - 1>(m_dim - m, xs + m * k_dim, ws, os + m * n_dim, k_dim, n_dim, p, end);
   }
 }
 
