@@ -14,10 +14,10 @@
 // without prefetch, the products of 1 / 4 / 8 rows ~5 / 16 / 22 % faster.
 //
 // Without AVX-512 (AVX2: 16 registers of 8 lanes) a panel row is two vectors, so the shapes differ: groups of 6
-// rows, 4 / 2 / 1 panels per pass for 1 / 2–3 / 4–6 rows, at most 12 registers of sums. Built with the AVX-512
-// shapes (16-lane vectors, groups of 8 rows), AVX2 spilled its sums to the stack: on a 2-core AMD EPYC (Zen 3)
-// a SmolLM2-135M step took 65 ms (XLA's products: ~32 ms) and each verified token added ~55 % of a step; with
-// these shapes, 24.6 ms and a verify of 4 tokens 1.19× a step (experiments/adaptive/RESULTS.md, ninth run).
+// rows, 4 / 2 / 1 panels per pass for 1 / 2–4 / 5–6 rows. Built with the AVX-512 shapes (16-lane vectors, groups
+// of 8 rows), AVX2 spilled its sums to the stack: on a 2-core AMD EPYC (Zen 3) a SmolLM2-135M step took 65 ms
+// (XLA's products: ~32 ms) and each verified token added ~55 % of a step; with these shapes a step takes ~25 ms
+// and the products of 4 rows cost 1.10–1.12× one row's (experiments/adaptive/RESULTS.md, ninth run).
 //
 // Rows beyond one group (a long verify, a prefill) take every group over a block of kBlock panels before the next
 // block, so each block comes from memory once and from cache for the other groups.
@@ -44,7 +44,7 @@ constexpr int64_t kPanel = 16;  // columns per panel
 constexpr int64_t kAheadBytes = 64 * 64;  // each stream is prefetched 64 cache lines ahead
 // The machine's vectors: a panel row of 16 floats is kParts of them. Each pass keeps R rows × P panels of partial
 // sums in registers (R · P · kParts of them) beside one panel row per panel; the row group and the panels per pass
-// are chosen so that fits the register file (spilling accumulators made an AVX2 pass compute-bound).
+// are chosen to fit the register file, or nearly (AVX2 with AVX-512's shapes spilled most of its sums).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;  // 32 registers of 16 lanes
 constexpr int kGroup = 8;   // rows per pass over a panel
@@ -53,7 +53,9 @@ constexpr int64_t kBlock = 12;  // panels per block: whole passes of 4 and of 3
 #else
 constexpr int kLanes = 8;  // AVX2's 16 registers of 8 lanes (two SSE / NEON registers per vector elsewhere)
 constexpr int kGroup = 6;
-template <int R> constexpr int Wide() { return R == 1 ? 4 : R <= 3 ? 2 : 1; }  // at most 12 registers of sums
+// ≤ 16 sums: 4 rows × 2 panels spill a few, yet two streams beat one (experiments/adaptive/panel_products.py, three
+// alternating builds: SmolLM2's products of 4 rows 22.8–23.9 ms with one panel per pass, 20.0–21.0 ms with two).
+template <int R> constexpr int Wide() { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
 constexpr int64_t kBlock = 4;
 #endif
 constexpr int kParts = kPanel / kLanes;
