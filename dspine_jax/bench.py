@@ -191,9 +191,9 @@ def run(model: str, dtypes: list[str], n: int, repeats: int, prompts: list[str],
         for p in prompt_ids:
             for fn in systems.values():
                 fn(p)  # warm-up
-            for _ in range(repeats):
-                for name, fn in systems.items():
-                    result = fn(p)
+            for r in range(repeats):
+                for name in repeat_order(list(systems), r):
+                    result = systems[name](p)
                     seconds, tau = result.seconds, result.tau
                     times[name].append(seconds)
                     if tau is not None:
@@ -331,6 +331,13 @@ def make_systems(model_dir: Path, dtype: str, n: int, drafters: Mapping[str, str
     return out
 
 
+def repeat_order(names: Sequence[str], r: int) -> list[str]:
+    """The systems' order in repeat round ``r``: the start rotates, so no system always runs right after the same
+    other one (a torch run's threads, say, may still spin when the next call starts)."""
+    k = r % len(names)
+    return [*names[k:], *names[:k]]
+
+
 def measure_prompt(systems: Mapping[str, Callable[[list[int]], Run]], prompt: ReportPrompt, n: int,
                    repeats: int, label: str) -> dict[str, Any]:
     """Warm-up once per system, then ``repeats`` rounds over all systems (start rotated each round)."""
@@ -338,7 +345,7 @@ def measure_prompt(systems: Mapping[str, Callable[[list[int]], Run]], prompt: Re
     runs: dict[str, list[Run]] = {name: [] for name in names}
     warm = {name: fn(prompt.ids) for name, fn in systems.items()}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in repeat_order(names, r):
             runs[name].append(systems[name](prompt.ids))
             tau = runs[name][-1].tau
             print(f"  {label} {prompt.source} {name}: {n / runs[name][-1].seconds:.1f} tok/s"

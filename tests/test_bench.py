@@ -29,3 +29,14 @@ def test_bench_writes_side_by_side_report(tmp_path):
     tau = next(r for r in report["results"] if r["system"] == "ours+draft")["mean_acceptance_median"]
     assert 1.0 <= tau <= 16.0
     assert "ours+draft" in proc.stdout
+
+
+def test_each_repeat_round_starts_with_the_next_system():
+    """The plain bench (``--prompts``) and the report rotate the systems' order every repeat round: no system always
+    runs right after the same other one."""
+    from dspine_jax.bench import repeat_order
+
+    orders = [repeat_order(["ours", "hf", "ours+draft"], r) for r in range(4)]
+    assert orders == [["ours", "hf", "ours+draft"], ["hf", "ours+draft", "ours"], ["ours+draft", "ours", "hf"],
+                      ["ours", "hf", "ours+draft"]]  # fmt: skip
+
