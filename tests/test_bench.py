@@ -39,4 +39,3 @@ def test_each_repeat_round_starts_with_the_next_system():
     orders = [repeat_order(["ours", "hf", "ours+draft"], r) for r in range(4)]
     assert orders == [["ours", "hf", "ours+draft"], ["hf", "ours+draft", "ours"], ["ours+draft", "ours", "hf"],
                       ["ours", "hf", "ours+draft"]]  # fmt: skip
-

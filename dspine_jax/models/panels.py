@@ -211,7 +211,7 @@ def cpu_flags() -> set[str]:
 def tuned_for_this_cpu() -> bool:
     """Whether the kernel's shapes were tuned and timed on CPUs like this one: x86-64 with AVX2 and FMA (its AVX-512
     and AVX2 shapes). Elsewhere ``"auto"`` keeps XLA's products: built with shapes never timed there, the kernel
-    once cost 2.7× XLA's one-token step (AVX2 with the AVX-512 shapes); ``"panels"`` still packs."""
+    once cost 2× XLA's one-token step (AVX2 with the AVX-512 shapes); ``"panels"`` still packs."""
     return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
 
 

@@ -122,7 +122,7 @@ static inline void Block(const float* x, const W* ws, float* os, int64_t k_dim, 
   for (; p < end; ++p) Panels<R, 1>(x, ws + p * k_dim * kPanel, os + p * kPanel, k_dim, n_dim);
 }
 
-// The last rows * (< kGroup) rows: the group of that size.
+// The rows left after the whole groups (fewer than kGroup): one group of that many.
 template <int R, typename W>
 static inline void Tail(int64_t rows, const float* x, const W* ws, float* os, int64_t k_dim, int64_t n_dim,
                         int64_t p, int64_t end) {
