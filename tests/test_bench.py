@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from dspine_jax.bench import repeat_order
+
 pytestmark = pytest.mark.slow
 
 
@@ -34,8 +36,6 @@ def test_bench_writes_side_by_side_report(tmp_path):
 def test_each_repeat_round_starts_with_the_next_system():
     """The plain bench (``--prompts``) and the report rotate the systems' order every repeat round: no system always
     runs right after the same other one."""
-    from dspine_jax.bench import repeat_order
-
     orders = [repeat_order(["ours", "hf", "ours+draft"], r) for r in range(4)]
     assert orders == [["ours", "hf", "ours+draft"], ["hf", "ours+draft", "ours"], ["ours+draft", "ours", "hf"],
                       ["ours", "hf", "ours+draft"]]  # fmt: skip

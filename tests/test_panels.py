@@ -72,20 +72,13 @@ def bf16_rounded(params):
                         panels.unpack_params(params))  # fmt: skip
 
 
-def widened(params):
-    """``params`` with every packed matrix's panels in float32 (what ``pack`` stored before bfloat16 panels)."""
-    packed = lambda x: isinstance(x, panels.PanelWeight)
-    return jax.tree.map(lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if packed(w) else w, params,
-                        is_leaf=packed)  # fmt: skip
-
-
 def test_a_bfloat16_matrix_is_packed_in_bfloat16_with_the_same_products():
     """A matrix whose values are all bfloat16 packs in half the bytes, and its products are the float32 packing's
     bits for every row count; a single value off bfloat16 keeps the matrix in float32."""
     rng = np.random.default_rng(2)
     w = bf16_values(rng, (576, 1024))
     compact = panels.pack(w)
-    wide = widened(compact)
+    wide = panels.widen_params(compact)
     assert compact.panels.dtype == jnp.bfloat16 and compact.dtype == jnp.float32
     assert compact.panels.nbytes * 2 == wide.panels.nbytes
     np.testing.assert_array_equal(np.asarray(compact.unpacked()), w)
@@ -153,7 +146,7 @@ def test_a_bfloat16_drafter_drafts_the_same_from_bfloat16_panels(tiny_models):
     packed = load_target(tiny_models["llama"][0])
     drafter = load_draft("init:dspine:4", packed)
     compact = pack_drafter(drafter.replace(params=bf16_rounded(drafter.params)), packed)
-    wide = drafter.replace(params=widened(compact.params))
+    wide = drafter.replace(params=panels.widen_params(compact.params))
     assert compact.params.fc.panels.dtype == jnp.bfloat16 and wide.params.fc.panels.dtype == jnp.float32
     prompt = [[5, 17, 33, 9, 60, 11], [7, 3]]
     reference = generate(packed, prompt, 20, stop_ids=[]).token_ids
@@ -167,7 +160,7 @@ def test_a_target_holding_bfloat16_values_decodes_the_same_from_bfloat16_panels(
     head in bfloat16 and decodes the tokens it decodes from float32 panels."""
     packed = load_target(tiny_models["llama"][0])
     compact = packed.replace(params=panels.pack_params(bf16_rounded(packed.params), QUANTIZED_MATRICES))
-    wide = packed.replace(params=widened(compact.params))
+    wide = packed.replace(params=panels.widen_params(compact.params))
     assert compact.params.lm_head.panels.dtype == jnp.bfloat16 and wide.params.lm_head.panels.dtype == jnp.float32
     prompt = [[5, 17, 33, 9, 60, 11], [7, 3]]
     assert generate(compact, prompt, 24, stop_ids=[]).token_ids == generate(wide, prompt, 24, stop_ids=[]).token_ids

@@ -252,5 +252,12 @@ def unpack_params(params: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, PanelWeight))  # fmt: skip
 
 
+def widen_params(params: Any) -> Any:
+    """``params`` with every ``PanelWeight`` held in float32 panels (bfloat16 ones widened): the same matrices and
+    the same products from twice the bytes — the packing a bfloat16 matrix had before ``pack`` kept it compact."""
+    return jax.tree.map(lambda x: PanelWeight(x.panels.astype(jnp.float32)) if isinstance(x, PanelWeight) else x,
+                        params, is_leaf=lambda x: isinstance(x, PanelWeight))  # fmt: skip
+
+
 def is_packed(params: Any) -> bool:
     return any(isinstance(x, PanelWeight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, PanelWeight)))

@@ -36,12 +36,6 @@ def is_packed(x) -> bool:
     return isinstance(x, panels.PanelWeight)
 
 
-def widened(tree):
-    """``tree`` with every packed matrix's panels in float32."""
-    return jax.tree.map(lambda w: panels.PanelWeight(w.panels.astype(jnp.float32)) if is_packed(w) else w, tree,
-                        is_leaf=is_packed)  # fmt: skip
-
-
 def panel_megabytes(tree) -> float:
     return sum(w.panels.nbytes for w in jax.tree.leaves(tree, is_leaf=is_packed) if is_packed(w)) / 1e6
 
@@ -56,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     target = tgt.load_target(args.model)
     compact = as_proposer(load_draft(args.draft, target))
-    forms = {"bfloat16 panels": compact, "float32 panels": widened(compact)}
+    forms = {"bfloat16 panels": compact, "float32 panels": panels.widen_params(compact)}
     n = args.context
     tokens = jnp.asarray([list(range(100, 100 + n))], jnp.int32)
     _, state, first = spec.prefill(target, compact, tokens, jnp.asarray([n], jnp.int32), jax.random.key(0),
@@ -84,7 +78,7 @@ def main() -> None:
         rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype) if x.dtype == jnp.float32 else x,
                                panels.unpack_params(target.params))  # fmt: skip
         bf16_target = target.replace(params=panels.pack_params(rounded, QUANTIZED_MATRICES))
-        targets = {"bfloat16 panels": bf16_target, "float32 panels": widened(bf16_target)}
+        targets = {"bfloat16 panels": bf16_target, "float32 panels": panels.widen_params(bf16_target)}
         runs = {name: generate(t, tokens.tolist(), 64, stop_ids=[]) for name, t in targets.items()}
         same = len({str(r.token_ids) for r in runs.values()}) == 1
         steps = {name: lambda t=t: generate(t, tokens.tolist(), 64, stop_ids=[]).decode_seconds for name, t in targets.items()}

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from compact_panels import widened  # this folder is on sys.path when run
-from switch_cost import fresh, heldout_prompt
+from switch_cost import fresh, heldout_prompt  # this folder is on sys.path when run
 
 from dspine_jax.bench import machine_info
 from dspine_jax.decoding import adaptive
@@ -29,6 +28,7 @@ from dspine_jax.decoding.autoregressive import generate
 from dspine_jax.decoding.decoder import run_segment
 from dspine_jax.decoding.proposers import as_proposer
 from dspine_jax.drafters.io import load_draft
+from dspine_jax.models import panels
 from dspine_jax.models.target import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def main() -> None:
     t_max = max(lengths)
     cases = {f"T={t}": (t, False, proposer) for t in lengths} | {"peek": (1, True, proposer)}
     if args.f32_drafter:
-        cases |= {f"T={t} f32": (t, False, widened(proposer)) for t in lengths if t > 1}
+        cases |= {f"T={t} f32": (t, False, panels.widen_params(proposer)) for t in lengths if t > 1}
     ar_tokens = args.rounds * 4
     for t, peek, drafter in cases.values():  # compile every program
         segment_seconds(target, drafter, prompt, t, peek, args.rounds, t_max)
