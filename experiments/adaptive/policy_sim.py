@@ -221,6 +221,7 @@ VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relati
     "auto, both (bonus, no better than a coin flip)": ({"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT)},
                                                        decoder.DECIDE_EVERY, True, True, {"bonus": True}),
     "auto without its longest length": ({}, decoder.DECIDE_EVERY, True, True, {"drop_longest": True}),
+    "auto, a slot's prior at most 0.8": ({"acceptance": capped_acceptance(0.8)}, decoder.DECIDE_EVERY, True, True),
 }
 
 
