@@ -124,6 +124,36 @@ def test_compilation_is_timed_apart(tiny_models):
     assert first.tokens_per_second == pytest.approx(first.num_tokens / first.seconds)
 
 
+def test_a_compiled_signature_is_not_lowered_again():
+    """``CompileTimer.compile`` lowers a program once per signature (shapes, dtypes, static values) in a process;
+    a new shape, a new static value or a leaf it cannot key (a numpy array) lowers again."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspine_jax.decoding.planning import CompileTimer
+
+    class Counted:  # a jitted function that counts its lowerings
+        def __init__(self) -> None:
+            self.jitted, self.lowered = jax.jit(lambda x, *, k: x * k, static_argnames="k"), 0
+
+        def lower(self, *args, **kwargs):
+            self.lowered += 1
+            return self.jitted.lower(*args, **kwargs)
+
+    fn, clock = Counted(), CompileTimer()
+    clock.compile(fn, jnp.ones(3), k=2)
+    clock.compile(fn, jnp.zeros(3), k=2)  # other values, the same signature
+    CompileTimer().compile(fn, jnp.ones(3), k=2)  # another call's timer: the process compiled it already
+    assert fn.lowered == 1
+    clock.compile(fn, jnp.ones(4), k=2)
+    clock.compile(fn, jnp.ones(3, jnp.int32), k=2)
+    clock.compile(fn, jnp.ones(3), k=3)
+    assert fn.lowered == 4
+    clock.compile(fn, np.ones(3), k=2)
+    clock.compile(fn, np.ones(3), k=2)
+    assert fn.lowered == 6
+
+
 def test_a_speculative_call_compiles_nothing_while_it_decodes(tiny_models, monkeypatch):
     """Every program ``speculative_generate`` may run (each length's, the peek's, the policy's first choice) is
     compiled before the decode clock starts: a first call's decode time holds no compilation."""
