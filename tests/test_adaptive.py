@@ -46,6 +46,16 @@ def test_expected_tokens_by_hand():
     np.testing.assert_allclose(got[1], [1, 1.5, 1.5], rtol=1e-6)
 
 
+def test_the_prior_fingerprint_reads_the_leading_values_of_each_leaf():
+    """``Decoder``'s fingerprint of a drafter's and a target's weights takes each leaf's first values in C order —
+    from its leading rows only (raveling a whole embedding op by op copied it)."""
+    from dspine_jax.decoding.decoder import _leading
+
+    for shape in [(), (7,), (5000,), (300, 20), (3, 2, 700), (2, 3000, 4)]:
+        x = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape)
+        np.testing.assert_array_equal(np.asarray(_leading(x, 4096)), np.asarray(jnp.ravel(x)[:4096]))
+
+
 def test_update_counts_only_the_slots_verification_reached():
     state = adaptive.init_state(3, 5)
     # T = 5 (4 proposals): row 0 accepted 2 (slots 1-2 hit, slot 3 tried and missed, slot 4 not reached),
