@@ -300,6 +300,8 @@ def _leading(leaf: Array, count: int) -> Array:
         row = math.prod(leaf.shape[1:])
         leaf = leaf[: -(-count // row)]
     return jnp.ravel(leaf)[:count]
+
+
 _PRIORS: dict[str, adaptive.Prior] = {}  # the process's carried priors, per (device, target, drafter)
 _RAN: dict[str, set[int]] = {}  # per cost key: the lengths whose first segment this process ran (CostEstimate)
 
@@ -502,8 +504,8 @@ class Decoder:
         if not self.candidates or self.schedule is not None:
             return None
         if self._key is None:  # per drafter: its shapes and a fingerprint of its and the target's weights
-            values = distributed.to_host([_leading(leaf, PRIOR_FINGERPRINT) for tree in (self.target, self.proposer)
-                                          for leaf in jax.tree.leaves(tree)[:4]])  # fmt: skip
+            leaves = [leaf for tree in (self.target, self.proposer) for leaf in jax.tree.leaves(tree)[:4]]
+            values = distributed.to_host([_leading(leaf, PRIOR_FINGERPRINT) for leaf in leaves])
             digest = hashlib.sha256(b"".join(v.tobytes() for v in values)).hexdigest()[:16]
             self._key = f"{adaptive.costs_key(self.target, self.scope + self.proposer.tag, 1, self.candidates)}|{digest}"
         return self._key
