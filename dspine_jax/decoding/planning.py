@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from dspine_jax.models import hub
 from dspine_jax.models.sampling import validate_sampling
@@ -206,21 +207,32 @@ class CompileTimer:
 _COMPILED: set[Hashable] = set()  # signatures ``CompileTimer`` compiled in this process (jit keeps the programs)
 
 
+def leaf_key(x: Any, shardings: bool = True) -> Hashable:
+    """What of an argument leaf selects a compiled program: shape, dtype, weak type and, with ``shardings``, its
+    layout over a mesh (one device's arrays: None). The serving engine's ``Programs`` and ``CompileTimer`` key by it."""
+    if x is None:
+        return None
+    aval = (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
+    if not shardings:
+        return aval
+    sharding = getattr(x, "sharding", None)  # a layout over a mesh; one device's arrays are uncommitted inputs
+    return aval + ((sharding.mesh.shape_tuple, sharding.spec) if isinstance(sharding, NamedSharding) else None,)
+
+
 def _signature(fn: Any, args: tuple, kwargs: dict) -> Hashable | None:
-    """What selects ``fn``'s compiled program for these arguments: the tree and, per leaf, an array's shape, dtype,
-    weak type, sharding and commitment, or a Python scalar's value (static arguments are such scalars). None
-    when a leaf is anything else (then ``compile`` lowers, as always). A speculative call compiles ~9 programs
-    ahead; lowering each again only to find it compiled cost ~40 ms a call on a 2-core CPU, outside the clock."""
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array):
-            parts.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), leaf.sharding, leaf.committed))
-        elif isinstance(leaf, (bool, int, float, str)):
-            parts.append((type(leaf), leaf))
-        else:
-            return None
-    return fn, tree, tuple(parts)
+    """``fn``, the arguments' tree and ``leaf_key`` of each leaf, and the keyword (static) arguments' values. None
+    (``compile`` lowers, as always) when a leaf is not a JAX array or a keyword value cannot be hashed. A speculative
+    call compiles ~9 programs ahead; lowering each again only to find it compiled cost ~40 ms a call on a 2-core
+    CPU, outside the clock."""
+    leaves, tree = jax.tree.flatten(args)
+    if not all(isinstance(x, jax.Array) for x in leaves):
+        return None
+    static = tuple(sorted(kwargs.items()))
+    try:
+        hash(static)
+    except TypeError:
+        return None
+    return fn, tree, tuple(leaf_key(x) for x in leaves), static
 
 
 def finish_reasons(counts: np.ndarray, stopped: np.ndarray, max_new_tokens: int) -> list[str]:

@@ -28,9 +28,8 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 
-from dspine_jax.decoding.planning import collection_paused
+from dspine_jax.decoding.planning import collection_paused, leaf_key
 
 DEFAULT_MAX_PROGRAMS = 64
 
@@ -123,15 +122,6 @@ class Programs:
         self.fail_next: Callable[[str], bool] | None = None  # tests: name → inject a compile failure
 
     # -- keys
-    def _aval(self, x: Any) -> Hashable:
-        if x is None:
-            return None
-        aval = (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
-        if not self.shardings:
-            return aval
-        sharding = getattr(x, "sharding", None)  # a layout over a mesh; one device's arrays are uncommitted inputs
-        return aval + ((sharding.mesh.shape_tuple, sharding.spec) if isinstance(sharding, NamedSharding) else None,)
-
     def key(self, fn: Callable, args: Sequence[Any], static: dict[str, Hashable]) -> Hashable:
         parts = []
         for a in args:
@@ -139,7 +129,7 @@ class Programs:
                 parts.append(("fixed", self._fixed[id(a)]))
             else:
                 leaves, tree = jax.tree.flatten(a)
-                parts.append((tree, tuple(self._aval(x) for x in leaves)))
+                parts.append((tree, tuple(leaf_key(x, self.shardings) for x in leaves)))
         return (fn.__module__, fn.__qualname__, tuple(sorted(static.items())), tuple(parts))
 
     # -- compiled programs
