@@ -95,9 +95,10 @@ def test_choose_probes_after_the_wait_and_pins_override():
 
 def test_carried_prior_pools_the_rows_that_drafted():
     state = adaptive.PolicyState(
-        hits=jnp.array([[2.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
-        tries=jnp.array([[4.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
+        hits=jnp.zeros((3, 3)), tries=jnp.full((3, 3), 0.5),  # (the decayed counts: not what is passed on)
         idle=jnp.zeros((3,), jnp.int32), wait=jnp.array([8, 32, 4], jnp.int32),
+        total_hits=jnp.array([[2.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+        total_tries=jnp.array([[4.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
     )
     prior = adaptive.carried(state, jnp.array([True, True, True]))  # row 2 never drafted: it adds nothing
     scale = adaptive.CARRY_WEIGHT / 6.0  # the first slot's pooled tries (4 + 2) scaled to CARRY_WEIGHT
@@ -114,6 +115,21 @@ def test_carried_prior_pools_the_rows_that_drafted():
     assert rows.hits.shape == (2, 3) and list(np.asarray(rows.wait)) == [8, 8]
     expected = (3.0 * scale + adaptive.PRIOR_WEIGHT * adaptive.PRIOR_ACCEPT) / (adaptive.CARRY_WEIGHT + adaptive.PRIOR_WEIGHT)
     np.testing.assert_allclose(np.asarray(adaptive.acceptance(rows))[:, 0], [expected] * 2, rtol=1e-6)
+
+
+def test_a_request_passes_on_its_whole_acceptance_not_its_last_rounds():
+    """A drafted stretch ends when the recent rounds miss: the final, decayed estimates of a request that was right
+    on 10 of its 14 probed slots but missed the last 4 say "do not draft"; what it passes on is the 10 in 14."""
+    running = jnp.array([True])
+    state = adaptive.init_state(1, 2)
+    for accepted in [1] * 10 + [0] * 4:
+        state = adaptive.update(state, jnp.int32(2), jnp.array([accepted]), running)
+    assert float(adaptive.acceptance(state)[0, 0]) < 0.45  # the last rounds dominate the decayed estimate
+    prior = adaptive.carried(state, running)
+    assert float(prior.tries[0]) == pytest.approx(adaptive.CARRY_WEIGHT)
+    assert float(prior.hits[0] / prior.tries[0]) == pytest.approx(10 / 14)
+    fresh = adaptive.init_state(1, 2, prior)  # the next request starts from it, its totals from nothing
+    assert float(jnp.sum(fresh.total_tries)) == 0.0 and float(adaptive.acceptance(fresh)[0, 0]) > 0.6
 
 
 def test_cost_estimate_refines_the_prior_with_decoded_rounds():

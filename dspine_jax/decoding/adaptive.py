@@ -31,8 +31,8 @@ Two parts, both small:
   segment (``decoder.segment``).
 * **Carried prior** (``Prior``): a request does not start from the coin flip when earlier requests of the
   process ran the same target and drafter: its rows start from what those requests' rows measured (``carried``:
-  their pooled counts, scaled to ``CARRY_WEIGHT`` observations, and their shortest probe wait, which
-  ``wait_cap`` bounds where probes are cheap). A drafter that brought nothing on the last requests starts the next one with plain
+  their pooled counts over each whole request, scaled to ``CARRY_WEIGHT`` observations, and their shortest probe
+  wait, which ``wait_cap`` bounds where probes are cheap). A drafter that brought nothing on the last requests starts the next one with plain
   rounds and a long wait instead of drafting on a guess; one that paid starts drafting at once. The prior
   decays by itself: each request's own rounds outweigh it within a few drafted rounds, and what it passes on
   is its own statistics. ``speculative_generate`` keeps one per (device, target, drafter) in the process
@@ -138,6 +138,8 @@ class PolicyState:
     tries: Array  # [B, P] f32 decayed count of rounds that tested slot i (all earlier slots accepted)
     idle: Array  # [B] int32 rounds since the row last drafted
     wait: Array  # [B] int32 plain rounds before the next probe
+    total_hits: Array  # [B, P] f32 hits since the row's request began, not decayed (what it passes on: ``carried``)
+    total_tries: Array  # [B, P] f32 tries since the row's request began, not decayed
 
 
 @struct.dataclass
@@ -157,19 +159,26 @@ def init_state(batch: int, max_length: int, prior: Prior | None = None) -> Polic
     return PolicyState(
         hits=jnp.broadcast_to(prior.hits, (batch, p)), tries=jnp.broadcast_to(prior.tries, (batch, p)),
         idle=jnp.zeros((batch,), jnp.int32), wait=jnp.full((batch,), prior.wait, jnp.int32),
+        total_hits=jnp.zeros((batch, p), jnp.float32), total_tries=jnp.zeros((batch, p), jnp.float32),
     )
 
 
 def carried(state: PolicyState, rows: Array) -> Prior:
-    """What ``rows [B]`` (bool) of ``state`` pass on to the next request: their per-slot counts pooled and
-    scaled so the first slot counts at most ``CARRY_WEIGHT`` observations (the estimates keep their ratios,
-    the next request's own rounds soon outweigh them), and their shortest wait (a drafter whose probes cost
-    little is probed again within ``wait_cap`` rounds whatever it carried: one that failed on the last text gets
-    a probe soon on this one). Rows that never drafted add nothing; with none, the coin flip (``init_state``'s
-    default)."""
-    seen = rows & (state.tries[:, 0] > 0)
-    hits = jnp.sum(jnp.where(seen[:, None], state.hits, 0.0), axis=0)
-    tries = jnp.sum(jnp.where(seen[:, None], state.tries, 0.0), axis=0)
+    """What ``rows [B]`` (bool) of ``state`` pass on to the next request: their per-slot counts since their
+    requests began (undecayed), pooled and scaled so the first slot counts at most ``CARRY_WEIGHT`` observations
+    (the estimates keep their ratios, the next request's own rounds soon outweigh them), and their shortest wait (a
+    drafter whose probes cost little is probed again within ``wait_cap`` rounds whatever it carried: one that
+    failed on the last text gets a probe soon on this one). Rows that never drafted add nothing; with none, the
+    coin flip (``init_state``'s default).
+
+    Not the final, decayed counts: a drafted stretch ends when the recent rounds turned bad, so a request's final
+    estimates are biased low, and a request that ended on a stretch the drafter misses passed "do not draft" on
+    (seen: a code prompt repeated in a bench, every repeat starting plain for 42 rounds where the drafter was right
+    ~60 % of the time over the request; replayed in the bench's order under dear drafted rounds, ``policy_sim.py
+    --chain``: code 1.20× → 1.24× our AR, all 1.19× → 1.24×; under cheap ones unchanged)."""
+    seen = rows & (state.total_tries[:, 0] > 0)
+    hits = jnp.sum(jnp.where(seen[:, None], state.total_hits, 0.0), axis=0)
+    tries = jnp.sum(jnp.where(seen[:, None], state.total_tries, 0.0), axis=0)
     scale = jnp.where(tries[0] > 0, jnp.minimum(1.0, CARRY_WEIGHT / jnp.maximum(tries[0], 1e-9)), 0.0)
     wait = jnp.min(jnp.where(seen, state.wait, MAX_WAIT))
     return Prior(hits * scale, tries * scale, jnp.clip(jnp.where(jnp.any(seen), wait, FIRST_WAIT), FIRST_WAIT, MAX_WAIT))
@@ -300,11 +309,12 @@ def update(state: PolicyState, length: Array, accepted: Array, running: Array) -
     # Every slot of a drafting row decays, tested or not: what deep slots did before acceptance changed
     # fades, and their estimates fall back on the (chained) prior.
     fade = jnp.where(drafted[:, None], DECAY, 1.0)
+    hits, tries = jnp.where(tested, hit, 0.0), tested.astype(jnp.float32)
     return PolicyState(
-        hits=fade * state.hits + jnp.where(tested, hit, 0.0),
-        tries=fade * state.tries + tested.astype(jnp.float32),
+        hits=fade * state.hits + hits, tries=fade * state.tries + tries,
         idle=jnp.where(drafted, 0, state.idle + running.astype(jnp.int32)),
         wait=jnp.where(drafted, wait, state.wait),
+        total_hits=state.total_hits + hits, total_tries=state.total_tries + tries,
     )
 
 

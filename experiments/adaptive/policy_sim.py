@@ -113,7 +113,8 @@ def committed(trace: list[int], pos: int, t: int, n: int) -> int:
 
 def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
              every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0,
-             hold: bool = True, bonus: bool = False) -> dict:  # fmt: skip
+             hold: bool = True, bonus: bool = False, prior: adaptive.Prior | None = None,
+             carry: str = "totals") -> dict:  # fmt: skip
     """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, in the
     segments ``speculative_generate`` runs (or at a ``fixed`` length, one loop): model seconds, rounds and the
     lengths run. ``peek``: seconds of a peek (greedy probes at ``PROBE_LENGTH`` run as one, as
@@ -122,10 +123,14 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
     while the policy would choose them again, and a peek's segment goes on with the plain rounds up to the next
     probe; else (the serving engine's) a segment is ``every`` drafted rounds and a probe is a segment of its own.
     ``bonus``: a drafted round whose proposals were all accepted also tests the next slot (under greedy decoding
-    the target's bonus token against one more proposal: a variant, not what the decoder does)."""
+    the target's bonus token against one more proposal: a variant, not what the decoder does). ``prior``: where the
+    statistics start (``adaptive.Prior``, what an earlier request carried; None: the coin flip); the result's
+    ``carried`` is what this request passes on: ``adaptive.carried`` (``carry="totals"``: the request's undecayed
+    counts per slot, the decoder's), or the same of its final, decayed estimates (``"final"``: the rule before
+    2026-12-07, biased low since a drafted stretch ends when the recent estimates turned bad)."""
     lengths = tuple(sorted(costs))
     policy = adaptive.make_policy(lengths, costs)
-    stats = adaptive.init_state(1, max(lengths))
+    stats = adaptive.init_state(1, max(lengths), prior)
     running, pos, seconds, rounds, ran = jnp.ones((1,), bool), 1, 0.0, 0, []
 
     def run(t: int, peeking: bool = False) -> None:  # one round (a peek: the statistics see its one-token draft)
@@ -172,7 +177,27 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
                 if i >= every and (int((c := choose()).index) != int(choice.index) or bool(c.probe)):
                     break
         choice = choose()
-    return {"seconds": seconds, "rounds": rounds, "lengths": ran}
+    if carry == "final":
+        stats = stats.replace(total_hits=stats.hits, total_tries=stats.tries)
+    carried = jax.device_get(adaptive.carried(stats, jnp.ones((1,), bool)))
+    return {"seconds": seconds, "rounds": rounds, "lengths": ran, "carried": carried}
+
+
+def chained(traces: list[list[int]], n: int, costs: dict[int, float], repeats: int, **kwargs) -> list[float]:
+    """Model seconds per prompt as the bench measures them: each prompt decoded ``repeats + 1`` times in a row (a
+    warm-up, then the timed repeats; their median), every request starting from the prior the request before it
+    carried — the previous prompt's last one for a warm-up. Under greedy decoding a repeat replays the same text,
+    so a carried prior that sends the policy down one path sends every repeat down it (seen in a bench: τ 1.00 on
+    four repeats of a code prompt where the run before had drafted at τ 1.40)."""
+    prior, out = None, []
+    for trace in traces:
+        seconds = []
+        for _ in range(repeats + 1):
+            result = simulate(trace, n, costs, prior=prior, **kwargs)
+            prior = result["carried"]
+            seconds.append(result["seconds"])
+        out.append(float(np.median(seconds[1:])))
+    return out
 
 
 def oracle_seconds(trace: list[int], n: int, costs: dict[int, float]) -> float:
@@ -200,7 +225,7 @@ def capped_acceptance(cap: float | None):
 
 
 VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relative to the shipped ones, DECIDE_EVERY, hold,
-    # peek[, how]); how: {"bonus": simulate's, "drop_longest": no longest length}
+    # peek[, how]); how: {"bonus": simulate's, "drop_longest": no longest length, "carry": simulate's}
     "auto": ({}, decoder.DECIDE_EVERY, True, True),
     "auto, a segment every 4 rounds and probes apart (no hold)": ({}, decoder.DECIDE_EVERY, False, True),
     "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, True, False),
@@ -222,6 +247,8 @@ VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relati
                                                        decoder.DECIDE_EVERY, True, True, {"bonus": True}),
     "auto without its longest length": ({}, decoder.DECIDE_EVERY, True, True, {"drop_longest": True}),
     "auto, a slot's prior at most 0.8": ({"acceptance": capped_acceptance(0.8)}, decoder.DECIDE_EVERY, True, True),
+    "auto, carrying the final estimates (before 2026-12-07)": ({}, decoder.DECIDE_EVERY, True, True,
+                                                               {"carry": "final"}),
 }
 
 
@@ -259,6 +286,10 @@ def study_parser(description: str, out: str, skip: int = 0) -> argparse.Argument
     ap.add_argument("--costs", help="ms per round instead of measuring them, e.g. 1:25.3,2:35.5,4:39.1,8:48.0,peek:31")
     ap.add_argument("--host-ms", type=float, default=3.0, help="host work per segment (ms)")
     ap.add_argument("--traces", type=Path, help="replay the prompts and traces of an earlier run's JSON (no model run)")
+    ap.add_argument("--chain", type=int, default=0, metavar="R",
+                    help="replay requests as the bench runs them: each prompt a warm-up and R repeats, every request "
+                         "starting from the prior the one before carried (0: each request from the coin flip)")
+    ap.add_argument("--variants", nargs="*", help="replay only these policy variants (VARIANTS' names; default: all)")
     ap.add_argument("--out", type=Path, default=Path(out))
     return ap
 
@@ -340,19 +371,28 @@ def main() -> None:
     never = argparse.Namespace(domain=NEVER, source="no proposal ever accepted")  # what probing costs
     always = argparse.Namespace(domain=ALWAYS, source="every proposal accepted")  # whether long blocks are reached
     for name, (constants, every, hold, peeks, *how) in VARIANTS.items():
+        if args.variants and name not in args.variants:
+            continue
         how = how[0] if how else {}
         variant_costs = {t: c for t, c in costs.items() if t != max(costs)} if how.get("drop_longest") else costs
+        options = dict(every=every, peek=peek if peeks else None, host=host, hold=hold, bonus=how.get("bonus", False),
+                       carry=how.get("carry", "totals"))
         with policy_constants(**constants):
+            if args.chain:  # the bench's order; a drafter never (always) right as a chain of its own
+                for group in (list(zip(prompts, traces)), [(never, [0] * n)] * 4, [(always, [n] * n)] * 4):
+                    seconds = chained([t for _, t in group], n, variant_costs, args.chain, **options)
+                    for (p, _), s in zip(group, seconds):
+                        record(name, p.domain, s)
+                continue
             for p, trace in [*zip(prompts, traces), (never, [0] * n), (always, [n] * n)]:
-                record(name, p.domain, simulate(trace, n, variant_costs, every=every, peek=peek if peeks else None,
-                                                host=host, hold=hold, bonus=how.get("bonus", False))["seconds"])  # fmt: skip
+                record(name, p.domain, simulate(trace, n, variant_costs, **options)["seconds"])
     for p, trace in zip(prompts, traces):
         record("oracle (knows the trace)", p.domain, oracle_seconds(trace, n, costs))
     summary = print_table(rows, prompts)
     args.out.write_text(json.dumps({
         "model": args.model, "drafter": args.drafter, "max_new_tokens": n, "skip": args.skip, "costs": costs,
         "peek_seconds": peek, "host_seconds_per_segment": host, "costs_given": bool(args.costs),
-        "traces_from": str(args.traces) if args.traces else None,
+        "traces_from": str(args.traces) if args.traces else None, "chain": args.chain,
         "prompts": [{"domain": p.domain, "source": p.source, "trace": t} for p, t in zip(prompts, traces)],
         "speedup_vs_ar": summary, "seconds": time.perf_counter() - begin, "machine": bench.machine_info(),
     }, indent=1))  # fmt: skip
