@@ -173,8 +173,8 @@ def carried(state: PolicyState, rows: Array) -> Prior:
 
     Not the final, decayed counts: a drafted stretch ends when the recent rounds turned bad, so a request's final
     estimates are biased low, and a request that ended on a stretch the drafter misses passed "do not draft" on
-    (seen: a code prompt repeated in a bench, every repeat starting plain for 42 rounds where the drafter was right
-    ~60 % of the time over the request; replayed in the bench's order under dear drafted rounds, ``policy_sim.py
+    (seen: a code prompt repeated in a bench, every repeat starting with 42 plain rounds, where another run drafted
+    it from the first round at τ 1.56; replayed in the bench's order under dear drafted rounds, ``policy_sim.py
     --chain``: code 1.20× → 1.24× our AR, all 1.19× → 1.24×; under cheap ones unchanged)."""
     seen = rows & (state.total_tries[:, 0] > 0)
     hits = jnp.sum(jnp.where(seen[:, None], state.total_hits, 0.0), axis=0)
