@@ -2,7 +2,7 @@
 drafter's taps of those rounds are parked), a segment of ``--rounds`` plain rounds against a segment of a peek and
 ``--rounds`` − 1 plain rounds (what ``decoder.segment(peek=True)`` runs), interleaved from copies of that state.
 Both launch once, so the difference is the peek's draft and flush, not its launch (``adaptive.PROBE_LAUNCHES``).
-Against ``adaptive.probe_guess``'s premise: a peek adds what a round at ``PROBE_LENGTH`` adds over a plain one.
+Against ``adaptive.wait_cap``'s premise: a peek adds what a round at ``PROBE_LENGTH`` adds over a plain one.
 
     python experiments/adaptive/peek_insitu.py [--draft init:dspine] [--rounds 5] [--repeats 31]
 """

@@ -179,7 +179,7 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
         choice = choose()
     if carry == "final":
         stats = stats.replace(total_hits=stats.hits, total_tries=stats.tries)
-    carried = jax.device_get(adaptive.carried(stats, jnp.ones((1,), bool)))
+    carried = jax.device_get(decoder.carried(stats, jnp.ones((1,), bool)))  # (the decoder's compiled one)
     return {"seconds": seconds, "rounds": rounds, "lengths": ran, "carried": carried}
 
 
