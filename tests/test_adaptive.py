@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -95,16 +96,19 @@ def test_choose_probes_after_the_wait_and_pins_override():
 
 def test_carried_prior_pools_the_rows_that_drafted():
     state = adaptive.PolicyState(
-        hits=jnp.zeros((3, 3)), tries=jnp.full((3, 3), 0.5),  # (the decayed counts: not what is passed on)
+        hits=jnp.zeros((3, 3)), tries=jnp.array([[0.5] * 3, [0.5] * 3, [0.0] * 3]),  # (decayed: not passed on)
         idle=jnp.zeros((3,), jnp.int32), wait=jnp.array([8, 32, 4], jnp.int32),
         total_hits=jnp.array([[2.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
         total_tries=jnp.array([[4.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
+        lifetime_hits=jnp.array([9.0, 3.0, 0.0]), lifetime_tries=jnp.array([12.0, 20.0, 0.0]),
     )
-    prior = adaptive.carried(state, jnp.array([True, True, True]))  # row 2 never drafted: it adds nothing
+    prior = adaptive.carried(state, jnp.array([True, True, True]))  # row 2: from nothing, never drafted: adds nothing
     scale = adaptive.CARRY_WEIGHT / 6.0  # the first slot's pooled tries (4 + 2) scaled to CARRY_WEIGHT
     np.testing.assert_allclose(np.asarray(prior.hits), np.array([3.0, 1.0, 0.0]) * scale, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(prior.tries), np.array([6.0, 3.0, 0.0]) * scale, rtol=1e-6)
     assert int(prior.wait) == 8  # the shortest wait of the rows that drafted, not row 2's fresh 4
+    # The first slot's counts over the drafter's requests: the most informed row's (20 tries); it paid, so no idle.
+    assert (float(prior.lifetime_hits), float(prior.lifetime_tries), int(prior.idle)) == (3.0, 20.0, 0)
     only_row_1 = adaptive.carried(state, jnp.array([False, True, False]))
     assert int(only_row_1.wait) == 32  # (wait_cap bounds it where probes are cheap)
     np.testing.assert_allclose(np.asarray(only_row_1.tries), [2.0, 1.0, 0.0])  # already within the weight
@@ -130,6 +134,60 @@ def test_a_request_passes_on_its_whole_acceptance_not_its_last_rounds():
     assert float(prior.hits[0] / prior.tries[0]) == pytest.approx(10 / 14)
     fresh = adaptive.init_state(1, 2, prior)  # the next request starts from it, its totals from nothing
     assert float(jnp.sum(fresh.total_tries)) == 0.0 and float(adaptive.acceptance(fresh)[0, 0]) > 0.6
+
+
+def test_a_request_that_never_drafted_passes_on_the_prior_it_started_from():
+    """A short request that ran only plain rounds (its probe not yet due) learned nothing about its drafter: the next
+    request starts where it started, not from the coin flip (which would draft on a guess and reset the wait)."""
+    running = jnp.array([True])
+    state = adaptive.init_state(1, 4)
+    for accepted in [0, 0, 1, 0, 0, 0]:
+        state = adaptive.update(state, jnp.int32(4), jnp.array([accepted]), running)
+    prior = jax.device_get(adaptive.carried(state, running))
+    rows = adaptive.init_state(1, 4, prior)
+    for _ in range(5):  # plain rounds only
+        rows = adaptive.update(rows, jnp.int32(1), jnp.array([0]), running)
+    again = jax.device_get(adaptive.carried(rows, running))
+    for a, b in zip(jax.tree.leaves(prior), jax.tree.leaves(again)):
+        np.testing.assert_allclose(a, b)
+    assert float(again.tries[0]) > 0 and (float(again.lifetime_hits), float(again.lifetime_tries)) == (1.0, 6.0)
+
+
+def test_a_drafter_that_never_paid_is_probed_rarely_across_requests():
+    """The first slot's hits and tries are counted over a drafter's requests (carried). Once it was tried
+    ``NEVER_PAID_TRIES`` times and accepted in fewer than ``NEVER_PAID_RATE`` of them, the probe wait may double past
+    ``wait_cap`` and ``MAX_WAIT`` up to ``NEVER_PAID_WAIT``, and the rounds since the last probe carry into the next
+    request, so that the rare probes are spaced over requests. Hits at a rate a drafted round could pay for end it:
+    the wait is back at ``FIRST_WAIT`` and ``wait_cap`` bounds it again."""
+    policy = adaptive.make_policy((1, 2, 4), {1: 1.0, 2: 1.15, 4: 1.3})
+    cap = int(adaptive.wait_cap(policy))
+    running = jnp.array([True])
+    prior, gaps, since = None, [], None
+    for request in range(12):  # requests of 96 plain rounds, a probe (one-token draft, missed) whenever due
+        state = adaptive.init_state(1, 4, prior)
+        for _ in range(96):
+            due = int(state.idle[0]) >= int(adaptive.waits(policy, state)[0])
+            if due and since is not None:
+                gaps.append(since)
+            since = 0 if due else None if since is None else since + 1
+            state = adaptive.update(state, jnp.int32(2 if due else 1), jnp.array([0]), running)
+        prior = jax.device_get(adaptive.carried(state, running))
+    probes = len(gaps) + 1
+    assert bool(adaptive.never_paid(state)[0]) and float(prior.lifetime_tries) == probes
+    assert int(prior.wait) == adaptive.NEVER_PAID_WAIT and int(prior.idle) > 0
+    assert max(gaps) == adaptive.NEVER_PAID_WAIT and probes < 12 * 96 // cap  # at wait_cap: one every `cap` rounds
+    # The gaps spanned requests: the last ones are NEVER_PAID_WAIT apart although each request is 96 rounds.
+    assert gaps[-2:] == [adaptive.NEVER_PAID_WAIT] * 2
+    # A drafter that now pays (every round accepted): a hit resets the wait, and hits at a paying rate end the rule.
+    for _ in range(3):
+        state = adaptive.update(state, jnp.int32(2), jnp.array([1]), running)
+    assert int(state.wait[0]) == adaptive.FIRST_WAIT and not bool(adaptive.never_paid(state)[0])
+    state = state.replace(wait=jnp.array([adaptive.NEVER_PAID_WAIT], jnp.int32))
+    assert int(adaptive.waits(policy, state)[0]) == cap
+    # Counts over requests fade: at most LIFETIME_TRIES tries are remembered.
+    for _ in range(100):
+        state = adaptive.update(state, jnp.int32(2), jnp.array([1]), running)
+    assert float(state.lifetime_tries[0]) == pytest.approx(adaptive.LIFETIME_TRIES)
 
 
 def test_cost_estimate_refines_the_prior_with_decoded_rounds():
@@ -380,7 +438,8 @@ def test_a_runs_first_segment_waits_as_long_as_its_prior_says(llama):
     proposer = oracle(target, [], [0] * 64)
     dear = {1: 1.0, 2: 1.9, 4: 2.2, 8: 2.6, 16: 3.5}  # a probe this dear may wait up to MAX_WAIT
     decoder = Decoder(target, proposer, verify_costs=dear)
-    never = adaptive.Prior(jnp.zeros((15,)), jnp.full((15,), 2.0), jnp.int32(16))  # two misses per slot
+    never = adaptive.Prior(jnp.zeros((15,)), jnp.full((15,), 2.0), jnp.int32(16), jnp.float32(0.0), jnp.float32(2.0),
+                           jnp.int32(0))  # two misses per slot
     stats = adaptive.init_state(1, 16, never)
     plan = decoder.plan(1, 1, stats, jnp.array([True]), jnp.array([100]), greedy=True)
     assert (plan.length, plan.rounds, plan.peek) == (1, 16, False), plan

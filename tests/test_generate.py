@@ -126,7 +126,8 @@ def test_compilation_is_timed_apart(tiny_models):
 
 def test_a_compiled_signature_is_not_lowered_again():
     """``CompileTimer.compile`` lowers a program once per signature (shapes, dtypes, static values) in a process;
-    a new shape, a new static value or a leaf it cannot key (a numpy array) lowers again."""
+    a new shape, dtype or static value lowers again; NumPy leaves key by shape and dtype too (a prompt's tokens, the
+    carried prior), a Python scalar (weakly typed) is lowered every time."""
     import jax
     import jax.numpy as jnp
 
@@ -149,9 +150,16 @@ def test_a_compiled_signature_is_not_lowered_again():
     clock.compile(fn, jnp.ones(3, jnp.int32), k=2)
     clock.compile(fn, jnp.ones(3), k=3)
     assert fn.lowered == 4
-    clock.compile(fn, np.ones(3), k=2)
-    clock.compile(fn, np.ones(3), k=2)
-    assert fn.lowered == 6
+    clock.compile(fn, np.ones(3), k=2)  # float64 on the host: its own key
+    clock.compile(fn, np.zeros(3), k=2)
+    assert fn.lowered == 5
+    clock.compile(fn, np.ones(4), k=2)
+    clock.compile(fn, np.int32(2), k=2)
+    clock.compile(fn, np.int32(3), k=2)
+    assert fn.lowered == 7
+    clock.compile(fn, 2.0, k=2)
+    clock.compile(fn, 2.0, k=2)
+    assert fn.lowered == 9
 
 
 def test_a_speculative_call_compiles_nothing_while_it_decodes(tiny_models, monkeypatch):
@@ -185,6 +193,7 @@ def test_a_slow_compile_says_so(tiny_models, monkeypatch, caplog):
     target = load_target(tiny_models["qwen3"][0])
     caplog.set_level("INFO", logger="dspine_jax")
     monkeypatch.setattr(planning, "COMPILE_NOTICE_SECONDS", 0.0)  # every compile counts as slow
+    monkeypatch.setattr(planning, "_COMPILED", set())  # (earlier tests may have compiled these shapes)
     generate(target, [[9, 8, 7, 6]], max_new_tokens=13, stop_ids=[])
     assert [r.getMessage() for r in caplog.records].count(
         "compiling … (first run of these shapes; later runs reuse the compiled programs)") == 1  # once per call

@@ -24,7 +24,12 @@ Two parts, both small:
   what a probe costs (``wait_cap``: its round and the launch of the segment it makes): probes stay within
   ``PROBE_BUDGET`` of the plain rounds between them, so a cheap drafter that is right half the time is probed every
   ~25 rounds, not once a request after two unlucky misses (seen: a drafter at τ 1.9 on a text never drafted on
-  it, its two probes having missed).
+  it, its two probes having missed). A drafter whose first slot was accepted in fewer than ``NEVER_PAID_RATE`` of
+  its tries over its requests in the process (``never_paid``: an untrained or mismatched drafter; no drafted round
+  pays below ~10 %) is probed as rarely as ``NEVER_PAID_WAIT`` rounds instead, spaced over requests: its peeks and
+  the context ingest each brings cost such a drafter ~0.2 % of decoding instead of ~2 %. Not misses in a row: a
+  trained drafter misses 12–28 in a row on stretches of a text it drafts well elsewhere (the shipped one on
+  HumanEval/28, Troilus, Merry Wives).
   Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``round.speculative_round(peek=True)``):
   a plain round plus a one-token draft, recorded as the round at ``PROBE_LENGTH`` it stands for, so a
   probe costs a draft rather than a wider verify; the plain rounds up to the next probe run in the peek's
@@ -69,6 +74,10 @@ PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first slot starts as a coin flip; a
 PROBE_LENGTH = 2  # a probe verifies this many tokens: the cheapest drafted round
 FIRST_WAIT, MAX_WAIT = 4, 64  # plain rounds before the first probe; the wait doubles up to MAX_WAIT
 PROBE_BUDGET = 0.015  # a probe's extra cost over a plain round, spread over the plain rounds before it (wait_cap)
+NEVER_PAID_TRIES, NEVER_PAID_RATE = 12, 0.05  # a drafter never paid: its first slot tried this often over its
+# requests and accepted in fewer than this share of the tries (``never_paid``) ...
+NEVER_PAID_WAIT = 256  # ... is probed as rarely as this
+LIFETIME_TRIES = 64.0  # those counts over requests are scaled down to this many tries (older evidence fades)
 PROBE_LAUNCHES = 0.1  # plain rounds a probe's launch adds: the plain rounds after it run in its segment, so each probe
 # makes one segment more (a launch and its read-back measured ~0.09 of a plain round on a 2-core CPU)
 CARRY_WEIGHT = 2.0  # a prior carried from earlier requests counts as this many observations of the first slot
@@ -140,6 +149,8 @@ class PolicyState:
     wait: Array  # [B] int32 plain rounds before the next probe
     total_hits: Array  # [B, P] f32 hits since the row's request began, not decayed (what it passes on: ``carried``)
     total_tries: Array  # [B, P] f32 tries since the row's request began, not decayed
+    lifetime_hits: Array  # [B] f32 first-slot hits over the drafter's requests in this process (carried; scaled so
+    lifetime_tries: Array  # [B] f32 ... first-slot tries ... that the tries are at most LIFETIME_TRIES)
 
 
 @struct.dataclass
@@ -149,17 +160,24 @@ class Prior:
     hits: Array  # [P] f32
     tries: Array  # [P] f32 (tries[0] ≤ CARRY_WEIGHT)
     wait: Array  # int32 scalar
+    lifetime_hits: Array  # f32 scalar (``PolicyState.lifetime_hits``)
+    lifetime_tries: Array  # f32 scalar
+    idle: Array  # int32 scalar: plain rounds since the last probe, for a drafter that never paid (else 0)
 
 
 def init_state(batch: int, max_length: int, prior: Prior | None = None) -> PolicyState:
     """Fresh statistics for ``batch`` rows: nothing observed (the coin flip), or ``prior``'s."""
     p = max(max_length - 1, 1)
     if prior is None:
-        prior = Prior(jnp.zeros((p,), jnp.float32), jnp.zeros((p,), jnp.float32), jnp.int32(FIRST_WAIT))
+        none = jnp.float32(0.0)
+        prior = Prior(jnp.zeros((p,), jnp.float32), jnp.zeros((p,), jnp.float32), jnp.int32(FIRST_WAIT), none, none,
+                      jnp.int32(0))
     return PolicyState(
         hits=jnp.broadcast_to(prior.hits, (batch, p)), tries=jnp.broadcast_to(prior.tries, (batch, p)),
-        idle=jnp.zeros((batch,), jnp.int32), wait=jnp.full((batch,), prior.wait, jnp.int32),
+        idle=jnp.full((batch,), prior.idle, jnp.int32), wait=jnp.full((batch,), prior.wait, jnp.int32),
         total_hits=jnp.zeros((batch, p), jnp.float32), total_tries=jnp.zeros((batch, p), jnp.float32),
+        lifetime_hits=jnp.full((batch,), prior.lifetime_hits, jnp.float32),
+        lifetime_tries=jnp.full((batch,), prior.lifetime_tries, jnp.float32),
     )
 
 
@@ -168,20 +186,36 @@ def carried(state: PolicyState, rows: Array) -> Prior:
     requests began (undecayed), pooled and scaled so the first slot counts at most ``CARRY_WEIGHT`` observations
     (the estimates keep their ratios, the next request's own rounds soon outweigh them), and their shortest wait (a
     drafter whose probes cost little is probed again within ``wait_cap`` rounds whatever it carried: one that
-    failed on the last text gets a probe soon on this one). Rows that never drafted add nothing; with none, the
-    coin flip (``init_state``'s default).
+    failed on the last text gets a probe soon on this one). A row that never drafted in its request learned
+    nothing: it passes on the prior it started from (its counts are still that prior's); rows that started from
+    nothing and never drafted add nothing, and with none, the coin flip (``init_state``'s default).
+
+    The first slot's counts over the drafter's requests (``lifetime_*``) go on from the row that has the most; a
+    drafter that never paid (``never_paid``) also passes on its rounds since the last probe, so its rare probes are
+    spaced over the process's requests, not restarted by each one.
 
     Not the final, decayed counts: a drafted stretch ends when the recent rounds turned bad, so a request's final
     estimates are biased low, and a request that ended on a stretch the drafter misses passed "do not draft" on
     (seen: a code prompt repeated in a bench, every repeat starting with 42 plain rounds, where another run drafted
     it from the first round at τ 1.56; replayed in the bench's order under dear drafted rounds, ``policy_sim.py
     --chain``: code 1.20× → 1.24× our AR, all 1.19× → 1.24×; under cheap ones unchanged)."""
-    seen = rows & (state.total_tries[:, 0] > 0)
-    hits = jnp.sum(jnp.where(seen[:, None], state.total_hits, 0.0), axis=0)
-    tries = jnp.sum(jnp.where(seen[:, None], state.total_tries, 0.0), axis=0)
+    drafted = state.total_tries[:, :1] > 0  # [B, 1]
+    row_hits = jnp.where(drafted, state.total_hits, state.hits)  # (no drafted round: nothing decayed the prior)
+    row_tries = jnp.where(drafted, state.total_tries, state.tries)
+    seen = rows & (row_tries[:, 0] > 0)
+    hits = jnp.sum(jnp.where(seen[:, None], row_hits, 0.0), axis=0)
+    tries = jnp.sum(jnp.where(seen[:, None], row_tries, 0.0), axis=0)
     scale = jnp.where(tries[0] > 0, jnp.minimum(1.0, CARRY_WEIGHT / jnp.maximum(tries[0], 1e-9)), 0.0)
-    wait = jnp.min(jnp.where(seen, state.wait, MAX_WAIT))
-    return Prior(hits * scale, tries * scale, jnp.clip(jnp.where(jnp.any(seen), wait, FIRST_WAIT), FIRST_WAIT, MAX_WAIT))
+    any_seen = jnp.any(seen)
+    wait = jnp.where(any_seen, jnp.min(jnp.where(seen, state.wait, NEVER_PAID_WAIT)), FIRST_WAIT)
+    informed = rows & (state.lifetime_tries > 0)
+    most = jnp.argmax(jnp.where(informed, state.lifetime_tries, -1.0))
+    lifetime_hits = jnp.where(jnp.any(informed), state.lifetime_hits[most], 0.0)
+    lifetime_tries = jnp.where(jnp.any(informed), state.lifetime_tries[most], 0.0)
+    never = _never_paid(lifetime_hits, lifetime_tries)
+    idle = jnp.where(never, jnp.min(jnp.where(informed, state.idle, NEVER_PAID_WAIT)), 0)
+    return Prior(hits * scale, tries * scale, jnp.clip(wait, FIRST_WAIT, NEVER_PAID_WAIT).astype(jnp.int32),
+                 lifetime_hits, lifetime_tries, idle.astype(jnp.int32))
 
 
 def acceptance(state: PolicyState) -> Array:
@@ -243,9 +277,21 @@ def wait_cap(policy: VerifyPolicy) -> Array:
     return jnp.clip(jnp.ceil(extra / PROBE_BUDGET), FIRST_WAIT, MAX_WAIT).astype(jnp.int32)
 
 
+def never_paid(state: PolicyState) -> Array:
+    """``[B]`` rows whose drafter's first slot, tried at least ``NEVER_PAID_TRIES`` times over its requests in this
+    process, was accepted in fewer than ``NEVER_PAID_RATE`` of them: its probes are budgeted as rarely as
+    ``NEVER_PAID_WAIT`` rounds, not by ``wait_cap``."""
+    return _never_paid(state.lifetime_hits, state.lifetime_tries)
+
+
+def _never_paid(hits: Array, tries: Array) -> Array:
+    return (tries >= NEVER_PAID_TRIES) & (hits < NEVER_PAID_RATE * tries)
+
+
 def waits(policy: VerifyPolicy, state: PolicyState) -> Array:
-    """``[B]`` plain rounds each row waits before its next probe: its doubled wait, at most ``wait_cap``."""
-    return jnp.minimum(state.wait, wait_cap(policy))
+    """``[B]`` plain rounds each row waits before its next probe: its doubled wait, at most ``wait_cap`` (a drafter
+    that never paid: at most ``NEVER_PAID_WAIT``)."""
+    return jnp.where(never_paid(state), state.wait, jnp.minimum(state.wait, wait_cap(policy)))
 
 
 def cut_lengths(policy: VerifyPolicy, verify_len: int) -> tuple[int, ...]:
@@ -305,7 +351,12 @@ def update(state: PolicyState, length: Array, accepted: Array, running: Array) -
     # A probe (a drafted round after plain ones) that brings nothing doubles the wait; any accepted token
     # resets it.
     failed_probe = (state.idle > 0) & (accepted == 0)
-    wait = jnp.where(accepted > 0, FIRST_WAIT, jnp.where(failed_probe, jnp.minimum(2 * state.wait, MAX_WAIT), state.wait))
+    lifetime_hits = state.lifetime_hits + (drafted & (accepted > 0)).astype(jnp.float32)
+    lifetime_tries = state.lifetime_tries + drafted.astype(jnp.float32)  # (a drafted round tests the first slot)
+    shrink = jnp.minimum(1.0, LIFETIME_TRIES / jnp.maximum(lifetime_tries, 1.0))
+    lifetime_hits, lifetime_tries = lifetime_hits * shrink, lifetime_tries * shrink
+    longest = jnp.where(_never_paid(lifetime_hits, lifetime_tries), NEVER_PAID_WAIT, MAX_WAIT)
+    wait = jnp.where(accepted > 0, FIRST_WAIT, jnp.where(failed_probe, jnp.minimum(2 * state.wait, longest), state.wait))
     # Every slot of a drafting row decays, tested or not: what deep slots did before acceptance changed
     # fades, and their estimates fall back on the (chained) prior.
     fade = jnp.where(drafted[:, None], DECAY, 1.0)
@@ -315,6 +366,7 @@ def update(state: PolicyState, length: Array, accepted: Array, running: Array) -
         idle=jnp.where(drafted, 0, state.idle + running.astype(jnp.int32)),
         wait=jnp.where(drafted, wait, state.wait),
         total_hits=state.total_hits + hits, total_tries=state.total_tries + tries,
+        lifetime_hits=lifetime_hits, lifetime_tries=lifetime_tries,
     )
 
 

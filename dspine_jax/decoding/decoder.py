@@ -176,7 +176,7 @@ def choose(policy: VerifyPolicy, stats: adaptive.PolicyState, running: Array, re
     """The policy's choice for the rows as they are (``adaptive.choose``), with the plain rounds left before a
     probe is due."""
     index, probe = adaptive.choose(policy, stats, running, remaining, round_index)
-    until_probe = jnp.min(jnp.where(running, adaptive.waits(policy, stats) - stats.idle, adaptive.MAX_WAIT))
+    until_probe = jnp.min(jnp.where(running, adaptive.waits(policy, stats) - stats.idle, adaptive.NEVER_PAID_WAIT))
     return Choice(index, probe, jnp.maximum(until_probe, 1), jnp.any(running))
 
 
@@ -329,16 +329,20 @@ class Decoder:
     (cyclic; tests). ``calibrate``: ``"ahead"`` (the caller runs ``calibrate``) or ``"online"`` (the first
     segments of a bucket run each length in turn, timed). ``scope`` distinguishes cost-cache entries of
     callers whose rounds cost differently (the engine's steps). ``batch``: the run's one batch size, if it has
-    one (the sps table's entry for it is then the only length)."""
+    one (the sps table's entry for it is then the only length). ``run_choice``: how a run's first choice runs
+    (``choose``'s arguments → ``Choice``; default ``first_choice``, jitted): the serving engine runs it through
+    its own programs, compiled by its warmup."""
 
     def __init__(
         self, target: tgt.Target, proposer: Proposer, *, verify: int | str = "auto", block_size: int | None = None,
         sps_table: Mapping[str, Any] | str | os.PathLike | None = None,
         verify_costs: Mapping[int, Any] | None = None, verify_schedule: Sequence[int] | None = None,
         calibrate: str = "ahead", scope: str = "", batch: int | None = None,
+        run_choice: Callable[..., Choice] | None = None,
     ):
         proposer.check_compatible(target)
         self.target, self.proposer, self.scope = target, proposer, scope
+        self.run_choice = run_choice or first_choice
         self.calibrate_mode = calibrate
         limit = proposer.block_limit
         verify = parse_verify(verify)
@@ -460,7 +464,7 @@ class Decoder:
             return Plan(entry.calibration.next_length(), min(cap, self.every), False, self._unit, False, True)
         policy = adaptive.make_policy(self.candidates, entry.estimate.current(), self.schedule)
         if entry.next is None:  # the first choice of a run: made here, on the rows as they are
-            first = jax.device_get(first_choice(policy, stats, running, remaining, jnp.int32(0)))
+            first = jax.device_get(self.run_choice(policy, stats, running, remaining, jnp.int32(0)))
             entry.next = (policy.lengths[int(first.index)], bool(first.probe), int(first.until_probe))
         chosen, probe, until_probe = entry.next
         t = chosen

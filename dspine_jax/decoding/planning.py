@@ -221,11 +221,13 @@ def leaf_key(x: Any, shardings: bool = True) -> Hashable:
 
 def _signature(fn: Any, args: tuple, kwargs: dict) -> Hashable | None:
     """``fn``, the arguments' tree and ``leaf_key`` of each leaf, and the keyword (static) arguments' values. None
-    (``compile`` lowers, as always) when a leaf is not a JAX array or a keyword value cannot be hashed. A speculative
-    call compiles ~9 programs ahead; lowering each again only to find it compiled cost ~40 ms a call on a 2-core
-    CPU, outside the clock."""
+    (``compile`` lowers, as always) when a leaf is neither a JAX nor a NumPy array (a Python scalar's type is weak)
+    or a keyword value cannot be hashed. A speculative call compiles ~9 programs ahead; lowering each again only to
+    find it compiled cost ~40 ms a call on a 2-core CPU, outside the clock. NumPy leaves (a prompt's tokens, the
+    carried prior read back to the host) key by shape and dtype as they are: jit may canonicalise a dtype (int64 →
+    int32), so two keys can share one program, which costs one lowering more, never a compile missed."""
     leaves, tree = jax.tree.flatten(args)
-    if not all(isinstance(x, jax.Array) for x in leaves):
+    if not all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves):
         return None
     static = tuple(sorted(kwargs.items()))
     try:

@@ -36,6 +36,8 @@ Programs (``programs.py``: compiled once per shape, on demand or ahead from abst
   per length. A length whose program is not compiled yet, while the background warmup compiles it, runs
   as plain rounds (every length is exact). The cost per length is calibrated on the first steps of each
   row bucket (``Decoder``, online: pinned lengths, exact like any other) and cached on disk.
+* ``choose`` — the policy's choice for a run's first step (``decoder.choose``: when the slots start running
+  again, nothing chose it at the end of a step), one program per row bucket.
 
 Warmup (``warmup_plan``): every program above at every bucket, in the order traffic needs them — one
 request before several, short contexts before long, plain rounds before drafted ones. ``lazy`` compiles
@@ -64,7 +66,7 @@ from jax.sharding import Mesh
 from dspine_jax.decoding import adaptive
 from dspine_jax.decoding.accept import accept_sampling
 from dspine_jax.decoding.adaptive import VerifyPolicy
-from dspine_jax.decoding.decoder import Choice, Decoder, Plan, Transcript, segment
+from dspine_jax.decoding.decoder import Choice, Decoder, Plan, Transcript, choose, segment
 from dspine_jax.decoding.proposers import NoProposer, Proposer, as_proposer
 from dspine_jax.decoding.round import DecodeState, idle
 from dspine_jax.drafters.params import Drafter
@@ -391,7 +393,7 @@ class EngineCore:
         # ``speculative_generate`` runs, calibrating each row bucket's costs online on its first steps.
         self.decoder = Decoder(target, proposer, verify=verify if verify_len is None else verify_len,
                                sps_table=sps_table or None, verify_costs=verify_costs, calibrate="online",
-                               scope="engine|")  # fmt: skip
+                               scope="engine|", run_choice=self._first_choice)  # fmt: skip
         self.max_verify = self.decoder.max_verify
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
@@ -743,6 +745,11 @@ class EngineCore:
         with use_mesh(self.mesh):
             return self.programs.run(fn, *args, **static)
 
+    def _first_choice(self, *args: Any) -> Choice:
+        """A run's first choice (``decoder.choose``), through the engine's programs: compiled by the warmup, not
+        by the first request of each row bucket."""
+        return self._run(choose, *args)
+
     def _abstract_state(self, rows: int, capacity: int) -> DecodeState:
         """The slots' state at ``rows`` × ``capacity`` as ``ShapeDtypeStruct``s, as ``refit`` makes it."""
         key = (rows, capacity)
@@ -762,6 +769,14 @@ class EngineCore:
         what = "peek" if peek else f"verify {t}"
         return Planned(f"step ({what}, {rows} rows, capacity {capacity})", step, args,
                        dict(verify_len=t, max_rounds=self.max_rounds, peek=peek))
+
+    def _planned_choice(self, rows: int, capacity: int) -> list[Planned]:
+        """The program of a run's first choice at ``rows`` (``_first_choice``), where the lengths are adaptive."""
+        if not self.decoder.candidates:
+            return []
+        state = self._abstract_state(rows, capacity)
+        args = (self.decoder.policy(), state.stats, state.running, state.remaining, _spec((), jnp.int32))
+        return [Planned(f"first choice ({rows} rows)", choose, args)]
 
     def _planned_prefill(self, rows: int, capacity: int, size: int, width: int) -> list[Planned]:
         """The programs of one prefill call: ``size`` prompts' chunks of ``width`` into ``rows`` × ``capacity``."""
@@ -800,6 +815,7 @@ class EngineCore:
                                     (self.proposer, self._abstract_state(rows, capacity), _spec((), jnp.int32))))
                 plan += self._planned_prefill(rows, capacity, 1, widths[0])
                 plan += [self._planned_step(rows, capacity, t, peek) for t, peek in plain or drafted[:1]]
+                plan += self._planned_choice(rows, capacity)
                 if first:
                     minimal, first = len(plan), False
                 plan += [p for w in widths[1:] for p in self._planned_prefill(rows, capacity, 1, w)]

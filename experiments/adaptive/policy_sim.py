@@ -94,15 +94,18 @@ def acceptance_trace(target, proposer: DrafterProposer, prompt: list[int], n: in
 
 @contextlib.contextmanager
 def policy_constants(**values):
-    """Run with some of ``adaptive``'s constants (or functions: ``acceptance``) changed (a variant of the policy)."""
+    """Run with some of ``adaptive``'s constants (or functions: ``acceptance``) changed (a variant of the policy).
+    Jitted functions read the constants when traced: their caches are cleared on the way in and out."""
     old = {k: getattr(adaptive, k) for k in values}
     for k, v in values.items():
         setattr(adaptive, k, v)
+    jax.clear_caches()
     try:
         yield
     finally:
         for k, v in old.items():
             setattr(adaptive, k, v)
+        jax.clear_caches()
 
 
 def committed(trace: list[int], pos: int, t: int, n: int) -> int:
@@ -249,6 +252,8 @@ VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relati
     "auto, a slot's prior at most 0.8": ({"acceptance": capped_acceptance(0.8)}, decoder.DECIDE_EVERY, True, True),
     "auto, carrying the final estimates (before 2026-12-07)": ({}, decoder.DECIDE_EVERY, True, True,
                                                                {"carry": "final"}),
+    "auto, a drafter that never paid probed as any other (before 2026-12-07, late)": (
+        {"NEVER_PAID_TRIES": 1 << 30}, decoder.DECIDE_EVERY, True, True),
 }
 
 
