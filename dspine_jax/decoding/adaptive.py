@@ -27,7 +27,7 @@ Two parts, both small:
   it, its two probes having missed). A drafter whose first slot was accepted in fewer than ``NEVER_PAID_RATE`` of
   its tries over its requests in the process (``never_paid``: an untrained or mismatched drafter; no drafted round
   pays below ~10 %) is probed as rarely as ``NEVER_PAID_WAIT`` rounds instead, spaced over requests: its peeks and
-  the context ingest each brings cost such a drafter ~0.2 % of decoding instead of ~2 %. Not misses in a row: a
+  the context ingest each brings cost such a drafter under 1 % of decoding instead of ~2 %. Not misses in a row: a
   trained drafter misses 12–28 in a row on stretches of a text it drafts well elsewhere (the shipped one on
   HumanEval/28, Troilus, Merry Wives).
   Under greedy decoding ``speculative_generate`` probes by a **peek** instead (``round.speculative_round(peek=True)``):
