@@ -163,7 +163,7 @@ def test_a_drafter_that_never_paid_is_probed_rarely_across_requests():
     cap = int(adaptive.wait_cap(policy))
     running = jnp.array([True])
     prior, gaps, since = None, [], None
-    for request in range(12):  # requests of 96 plain rounds, a probe (one-token draft, missed) whenever due
+    for _ in range(12):  # requests of 96 plain rounds, a probe (one-token draft, missed) whenever due
         state = adaptive.init_state(1, 4, prior)
         for _ in range(96):
             due = int(state.idle[0]) >= int(adaptive.waits(policy, state)[0])
