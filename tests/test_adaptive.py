@@ -303,15 +303,14 @@ def test_policy_tracks_the_acceptance(llama):
     lengths = run_oracle(target, reference, [0] * 64)
     tail = lengths[16:]
     assert sum(t > 1 for t in tail) <= 3 and sum(t == 1 for t in tail) >= len(tail) - 3
-    # Everything is accepted: the longest block (16) from the second decision on (decisions come every
-    # DECIDE_EVERY rounds), except where the budget ends.
-    every = DECIDE_EVERY
+    # Everything is accepted: the longest block (16) from the second round on (the first drafts on the prior, a
+    # probe), except where the budget ends.
     lengths = run_oracle(target, reference, [99] * 64)
-    assert all(t == 16 for t in lengths[every:-1]), lengths
+    assert all(t == 16 for t in lengths[1:-1]), lengths
     # Acceptance collapses after 5 rounds: the policy steps down to plain decoding within ~12 rounds (the
-    # estimates follow the last ~5 drafted rounds, and decisions come every DECIDE_EVERY rounds).
+    # estimates follow the last ~5 drafted rounds).
     lengths = run_oracle(target, reference, [99] * 5 + [0] * 59)
-    assert lengths[every] == 16 and sum(t == 1 for t in lengths[5 + 12 : 5 + 28]) >= 12, lengths
+    assert lengths[1] == 16 and sum(t == 1 for t in lengths[5 + 12 : 5 + 28]) >= 12, lengths
     # Acceptance appears after 12 rounds: a probe finds it and the policy climbs back to 16.
     lengths = run_oracle(target, reference, [0] * 12 + [99] * 52)
     assert all(t == 1 for t in lengths[5:9]), lengths
@@ -340,8 +339,8 @@ def segments_of(monkeypatch, run) -> list[tuple[int, bool, int]]:
 
 
 def test_a_choice_that_holds_and_a_probe_cost_no_launch_of_their_own(llama, monkeypatch):
-    """Drafted rounds the policy keeps choosing stay in one segment (it decides after every round from the
-    DECIDE_EVERY-th on, on the device); a peek's segment goes on with the plain rounds up to the next probe."""
+    """Drafted rounds the policy keeps choosing stay in one segment (it decides after every round, on the
+    device); a peek's segment goes on with the plain rounds up to the next probe."""
     target, reference = llama
     always = segments_of(monkeypatch, lambda: run_oracle(target, reference, [99] * 64))
     # The first round drafts on the prior (a probe), the next decision picks 16 and holds for the 7 rounds that fit
@@ -354,6 +353,20 @@ def test_a_choice_that_holds_and_a_probe_cost_no_launch_of_their_own(llama, monk
     waits = [adaptive.FIRST_WAIT * 2**k for k in range(1, 4)]  # 8, 16, 32; then 64, cut by the budget (79 rounds)
     last = 79 - adaptive.FIRST_WAIT - sum(1 + w for w in waits)
     assert never == [(1, False, adaptive.FIRST_WAIT)] + [(1, True, 1 + w) for w in waits] + [(1, True, last)], never
+
+
+def test_a_held_choice_that_turns_bad_ends_after_one_round(llama, monkeypatch):
+    """A drafted segment ends as soon as the policy, after any of its rounds, would choose otherwise
+    (``DECIDE_AFTER``): a long block chosen on one full round that then accepts nothing costs one round, not
+    ``DECIDE_EVERY`` of them."""
+    target, reference = llama
+    segments = segments_of(monkeypatch, lambda: run_oracle(target, reference, [99] + [0] * 63))
+    # The first round drafts on the prior (a probe) and accepts all; the next choice is the longest block, which
+    # accepts nothing: the policy steps down after that round, one segment per length, then decodes plainly.
+    assert segments[0] == (4, False, 1) and segments[1] == (16, False, 1), segments
+    lengths = [t for t, _, _ in segments]
+    stepping = lengths[1 : lengths.index(1)]  # the drafted segments before the first plain one
+    assert stepping == sorted(stepping, reverse=True) and len(stepping) >= 2, segments
 
 
 def test_greedy_probes_peek_instead_of_verifying_two_tokens(llama):

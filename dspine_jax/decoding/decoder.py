@@ -43,7 +43,10 @@ from dspine_jax.parallel import distributed
 
 _log = logging.getLogger("dspine_jax")
 
-DECIDE_EVERY = 4  # verify="auto": drafted rounds a segment runs before the policy may choose again
+DECIDE_EVERY = 4  # verify="auto": rounds of a segment that is not held (explored, calibrating; the fewest timed)
+DECIDE_AFTER = 1  # held drafted rounds: the policy, on the device, may end their segment after this many (a choice
+# that turned bad costs one round, not DECIDE_EVERY: replayed in the bench's order under a 2-core CPU's round costs,
+# +2 points over its 16 prompts; experiments/adaptive/RESULTS.md, thirteenth run)
 COST_SAMPLES = 3  # timed segments per verify length (after one dropped: it may pay one-time costs)
 CALIBRATION_ROUNDS = 8  # rounds per timed segment when calibrating ahead
 
@@ -148,7 +151,7 @@ def segment(
 
     ``decide_after`` (drafted rounds of an adaptive policy): after that many rounds the segment also ends as
     soon as the policy, deciding after every round, would choose another length or a probe — a choice that
-    holds stays on the device instead of costing a launch and a read-back every ``DECIDE_EVERY`` rounds
+    holds stays on the device instead of costing a launch and a read-back every few rounds
     (plain rounds need no such check: they change no estimate, and the host runs them until a probe is due)."""
     track = len(policy.lengths) > 1
     if peek:  # a probe: the peek, then plain rounds until the next probe is due (none if the policy now drafts)
@@ -450,7 +453,7 @@ class Decoder:
         first choice, later ones come from the device with the previous segment). ``greedy``: every running
         row is greedy (a probe can then be a peek). ``max_rounds``: the caller's cap (None: none). ``hold``: the
         caller runs ``Plan.decide_after`` (``segment``), so drafted rounds the policy chose run, after
-        ``DECIDE_EVERY`` of them, for as long as the policy would choose them again."""
+        ``DECIDE_AFTER`` of them, for as long as the policy would choose them again."""
         cap = max_rounds or (1 << 30)
         if not self.candidates:
             t = self.forced_length or self.length_for(batch)
@@ -480,7 +483,7 @@ class Decoder:
         else:
             rounds = until_probe if chosen == 1 and self.schedule is None else cap if held else self.every
         return Plan(1 if peek else t, min(cap, rounds), peek, policy, True, False,
-                    decide_after=self.every if held else None)  # fmt: skip
+                    decide_after=DECIDE_AFTER if held else None)  # fmt: skip
 
     def observe(self, bucket: int, plan: Plan, seconds: float, rounds: int, choice: Choice | None) -> None:
         """A segment ran ``rounds`` rounds in ``seconds`` and the device chose the next (``choice``, host values)."""

@@ -4,7 +4,7 @@
 the prefill, and drives ``decoder.run_segment`` from the host: one segment for a fixed verify length (the
 whole loop on the device), or for ``verify="auto"`` segments at the length the policy chose at the end of the
 previous one (``Decoder.plan`` / ``observe``): plain rounds until a probe is due, drafted ones for as long as
-the policy, deciding after every round from the ``DECIDE_EVERY``-th on, would choose them again. Every program
+the policy, deciding on the device after every round, would choose them again. Every program
 is compiled (``CompileTimer``) before anything is timed, so results report compilation apart from prefill and
 decode.
 The round itself is ``round.speculative_round``; docs/ARCHITECTURE.md §4 walks through it.

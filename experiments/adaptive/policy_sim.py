@@ -115,7 +115,7 @@ def committed(trace: list[int], pos: int, t: int, n: int) -> int:
 
 
 def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | None = None,
-             every: int = decoder.DECIDE_EVERY, peek: float | None = None, host: float = 0.0,
+             every: int = decoder.DECIDE_AFTER, peek: float | None = None, host: float = 0.0,
              hold: bool = True, bonus: bool = False, prior: adaptive.Prior | None = None,
              carry: str = "totals") -> dict:  # fmt: skip
     """Decode ``n`` tokens (the first is prefill's) over ``trace`` under the current policy constants, in the
@@ -227,33 +227,34 @@ def capped_acceptance(cap: float | None):
     return acceptance
 
 
-VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relative to the shipped ones, DECIDE_EVERY, hold,
+VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relative to the shipped ones, the held
+    # segments' DECIDE_AFTER (a segment's rounds without hold), hold,
     # peek[, how]); how: {"bonus": simulate's, "drop_longest": no longest length, "carry": simulate's}
-    "auto": ({}, decoder.DECIDE_EVERY, True, True),
+    "auto": ({}, decoder.DECIDE_AFTER, True, True),
     "auto, a segment every 4 rounds and probes apart (no hold)": ({}, decoder.DECIDE_EVERY, False, True),
-    "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_EVERY, True, False),
-    "auto, probes verify 4 (no peeks)": ({"PROBE_LENGTH": 4}, decoder.DECIDE_EVERY, True, False),
-    "auto, probes priced without their launch": ({"PROBE_LAUNCHES": 0.0}, decoder.DECIDE_EVERY, True, True),
-    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_EVERY, True, True),
-    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_EVERY, True, True),
-    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_EVERY, True, True),
-    "auto, decide from round 1": ({}, 1, True, True),
+    "auto, probes verify 2 (no peeks)": ({}, decoder.DECIDE_AFTER, True, False),
+    "auto, probes verify 4 (no peeks)": ({"PROBE_LENGTH": 4}, decoder.DECIDE_AFTER, True, False),
+    "auto, probes priced without their launch": ({"PROBE_LAUNCHES": 0.0}, decoder.DECIDE_AFTER, True, True),
+    "auto, prior 0.3": ({"PRIOR_ACCEPT": 0.3}, decoder.DECIDE_AFTER, True, True),
+    "auto, first wait 8": ({"FIRST_WAIT": 8}, decoder.DECIDE_AFTER, True, True),
+    "auto, decay 0.9": ({"DECAY": 0.9}, decoder.DECIDE_AFTER, True, True),
+    "auto, decide from round 4 (before 2026-12-07, thirteenth)": ({}, decoder.DECIDE_EVERY, True, True),
     "auto, decide from round 8": ({}, 8, True, True),
-    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_EVERY, True, True),
-    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_EVERY, True, True),
+    "auto, prior weight 2": ({"PRIOR_WEIGHT": 2.0}, decoder.DECIDE_AFTER, True, True),
+    "auto, no wait doubling": ({"MAX_WAIT": adaptive.FIRST_WAIT}, decoder.DECIDE_AFTER, True, True),
     "auto, an untested slot no better than a coin flip": ({"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT)},
-                                                          decoder.DECIDE_EVERY, True, True),
-    "auto, an untested slot a coin flip (no chain)": ({"acceptance": capped_acceptance(None)}, decoder.DECIDE_EVERY,
+                                                          decoder.DECIDE_AFTER, True, True),
+    "auto, an untested slot a coin flip (no chain)": ({"acceptance": capped_acceptance(None)}, decoder.DECIDE_AFTER,
                                                       True, True),
-    "auto, a full round's bonus tests the next slot": ({}, decoder.DECIDE_EVERY, True, True, {"bonus": True}),
+    "auto, a full round's bonus tests the next slot": ({}, decoder.DECIDE_AFTER, True, True, {"bonus": True}),
     "auto, both (bonus, no better than a coin flip)": ({"acceptance": capped_acceptance(adaptive.PRIOR_ACCEPT)},
-                                                       decoder.DECIDE_EVERY, True, True, {"bonus": True}),
-    "auto without its longest length": ({}, decoder.DECIDE_EVERY, True, True, {"drop_longest": True}),
-    "auto, a slot's prior at most 0.8": ({"acceptance": capped_acceptance(0.8)}, decoder.DECIDE_EVERY, True, True),
-    "auto, carrying the final estimates (before 2026-12-07)": ({}, decoder.DECIDE_EVERY, True, True,
+                                                       decoder.DECIDE_AFTER, True, True, {"bonus": True}),
+    "auto without its longest length": ({}, decoder.DECIDE_AFTER, True, True, {"drop_longest": True}),
+    "auto, a slot's prior at most 0.8": ({"acceptance": capped_acceptance(0.8)}, decoder.DECIDE_AFTER, True, True),
+    "auto, carrying the final estimates (before 2026-12-07)": ({}, decoder.DECIDE_AFTER, True, True,
                                                                {"carry": "final"}),
     "auto, a drafter that never paid probed as any other (before 2026-12-07, late)": (
-        {"NEVER_PAID_TRIES": 1 << 30}, decoder.DECIDE_EVERY, True, True),
+        {"NEVER_PAID_TRIES": 1 << 30}, decoder.DECIDE_AFTER, True, True),
 }
 
 
