@@ -1,5 +1,5 @@
-"""The path `--verify auto` takes through each request, decoded for real in the bench's order (each round of repeats
-runs every held-out prompt once, each request starting from the prior the one before it carried): per request, its
+"""The path `--verify auto` takes through each request, decoded for real in the bench's order (each held-out prompt a
+warm-up and ``--repeats`` requests in a row, each starting from the prior the one before it carried): per request, its
 rounds (``.`` a plain round or a peek, a digit the proposals a round of 2 accepted, ``a``–``h`` 0–7 accepted at 4,
 ``[T:k]`` k accepted at another T) and, with ``--segments``, each segment the host launched (``PxN``: a peek and the
 plain rounds after it, ``TxN``: N rounds at T) with its wall time in ms. Our AR's decode of the same prompt runs just
@@ -36,7 +36,7 @@ def rounds_text(lengths: list[int], accepted: list[int]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="requests per prompt after its warm-up (request 0)")
     ap.add_argument("--domain", help="only this domain's prompts (default: all four, the bench's order)")
     ap.add_argument("--segments", action="store_true", help="also each launched segment and its wall time")
     args = ap.parse_args()
@@ -61,14 +61,16 @@ def main() -> None:
     timed_segment.lower = run_segment.lower  # (CompileTimer compiles through it)
     if args.segments:  # (the wait for each segment adds a sync the decoder does anyway: it reads the choice back)
         spec.run_segment = timed_segment
-    print(f"# {bench.machine_info()}; shipped DSpine drafter, verify auto, 96 tokens, {args.repeats} rounds of repeats")
-    for r in range(args.repeats):
-        for p in prompts:
+    print(f"# {bench.machine_info()}; shipped DSpine drafter, verify auto, 96 tokens, a warm-up and {args.repeats} "
+          "requests per prompt")
+    for p in prompts:
+        for r in range(args.repeats + 1):
             ar = generate(target, [p.ids], 96, stop_ids=[])
             launched.clear()
             res = spec.speculative_generate(target, drafter, [p.ids], 96, stop_ids=[])
-            line = (f"{r} {p.source[-24:]:>24} AR {ar.decode_seconds * 1e3:5.0f} ms, auto {res.decode_seconds * 1e3:5.0f} ms"
-                    f" τ {res.mean_acceptance:.2f} | {rounds_text(res.verify_lengths[0], res.accepted_proposals[0])}")
+            line = (f"{r} {p.source[-24:]:>24} AR {ar.decode_seconds * 1e3:5.0f} ms, auto "
+                    f"{res.decode_seconds * 1e3:5.0f} ms τ {res.mean_acceptance:.2f} | "
+                    f"{rounds_text(res.verify_lengths[0], res.accepted_proposals[0])}")
             if args.segments:
                 done, parts = 0, []
                 for t, peek, ms, iterations in launched:
