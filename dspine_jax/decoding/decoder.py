@@ -45,8 +45,8 @@ _log = logging.getLogger("dspine_jax")
 
 DECIDE_EVERY = 4  # verify="auto": rounds of a segment that is not held (explored, calibrating; the fewest timed)
 DECIDE_AFTER = 1  # held drafted rounds: the policy, on the device, may end their segment after this many (a choice
-# that turned bad costs one round, not DECIDE_EVERY: replayed in the bench's order under a 2-core CPU's round costs,
-# +2 points over its 16 prompts; experiments/adaptive/RESULTS.md, thirteenth run)
+# that turned bad costs one round, not DECIDE_EVERY: replayed in the bench's order, +2 points over its 16 prompts
+# at one day's costs of a 2-core CPU, equal at two others; experiments/adaptive/RESULTS.md, thirteenth run)
 COST_SAMPLES = 3  # timed segments per verify length (after one dropped: it may pay one-time costs)
 CALIBRATION_ROUNDS = 8  # rounds per timed segment when calibrating ahead
 
