@@ -39,6 +39,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -137,14 +138,22 @@ def _library_path() -> Path:
     return hub.default_cache_dir() / "kernels" / f"panel_matmul-{digest}.so"
 
 
-def _build(path: Path) -> None:
+def _build(path: Path, source: Path | None = None) -> None:
+    """Compile ``source`` (default: the package's ``panel_matmul.cc``) into the library ``path``."""
     compiler = os.environ.get("CXX", "g++")
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     command = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
-               f"-I{jax.ffi.include_dir()}", str(_source()), "-o", str(tmp)]  # fmt: skip
+               f"-I{jax.ffi.include_dir()}", str(source or _source()), "-o", str(tmp)]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
     os.replace(tmp, path)  # atomic: a concurrent build never leaves a torn library
+
+
+def _register(path: Path, targets: Mapping[Any, tuple[str, str]]) -> None:
+    """Register the library ``path``'s handlers for the CPU: ``targets`` maps to (FFI target name, symbol)."""
+    library = ctypes.cdll.LoadLibrary(str(path))
+    for name, symbol in targets.values():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
 @functools.cache
@@ -155,9 +164,7 @@ def kernel_available() -> bool:
         if not path.exists():
             _log.info("building the CPU panel kernel (once per machine; cached in %s)", path.parent)
             _build(path)
-        library = ctypes.cdll.LoadLibrary(str(path))
-        for name, symbol in FFI_TARGETS.values():
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+        _register(path, FFI_TARGETS)
         return True
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e

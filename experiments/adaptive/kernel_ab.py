@@ -9,9 +9,7 @@ blocks of several row counts, interleaved per repeat, medians in ms. The builds 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -26,15 +24,14 @@ from dspine_jax.models import panels
 from dspine_jax.models.target import load_target
 
 
-def register(source: Path, name: str, build_dir: Path) -> None:
-    """Compile ``source`` with the package's flags and register its two handlers as ``name`` / ``name_bf16``."""
-    library = build_dir / f"{name}.so"
-    subprocess.run(["g++", "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
-                    f"-I{jax.ffi.include_dir()}", str(source), "-o", str(library)],
-                   check=True, capture_output=True)  # fmt: skip
-    handle = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handle.DspinePanelMatmul), platform="cpu")
-    jax.ffi.register_ffi_target(f"{name}_bf16", jax.ffi.pycapsule(handle.DspinePanelMatmulBf16), platform="cpu")
+def register(source: Path, index: int, build_dir: Path) -> dict:
+    """Build ``source`` as the package builds its kernel and register its handlers under targets of their own:
+    ``panels.FFI_TARGETS`` for this build (dtype → (target name, symbol))."""
+    library = build_dir / f"panel_ab_{index}.so"
+    panels._build(library, source)
+    targets = {dtype: (f"panel_ab_{index}_{name}", symbol) for dtype, (name, symbol) in panels.FFI_TARGETS.items()}
+    panels._register(library, targets)
+    return targets
 
 
 def main() -> None:
@@ -52,11 +49,9 @@ def main() -> None:
     shipped = dict(panels.FFI_TARGETS)
     with tempfile.TemporaryDirectory() as build_dir:
         for i, source in enumerate(args.sources):
-            name = f"panel_ab_{i}"
-            register(source, name, Path(build_dir))
+            targets = register(source, i, Path(build_dir))
             runs[i] = jax.jit(products.__wrapped__)  # its own cache: traced with this build's targets
-            panels.FFI_TARGETS[jnp.dtype(jnp.float32)] = (name, "")
-            panels.FFI_TARGETS[jnp.dtype(jnp.bfloat16)] = (f"{name}_bf16", "")
+            panels.FFI_TARGETS.update(targets)
             try:
                 for m, x in xs.items():
                     first[i, m] = np.asarray(runs[i](target.params, x))
