@@ -94,6 +94,30 @@ def test_choose_probes_after_the_wait_and_pins_override():
         adaptive.make_policy((1, 2), {1: 1.0, 2: 0.0})
 
 
+def test_a_held_length_gives_way_only_to_a_clearly_better_one():
+    """Holding a drafted length (``current``), the policy moves to another drafted length only when it expects
+    ``SWITCH_MARGIN`` more tokens per second from it (a row at the boundary of two lengths does not switch program
+    every round); it stops drafting as soon as a plain round pays best."""
+    state = adaptive.init_state(1, 4)
+    state = state.replace(hits=jnp.array([[6.0, 5.0, 4.0]]), tries=jnp.array([[8.0, 6.0, 5.0]]))
+    running, remaining = jnp.array([True]), jnp.array([50])
+    e = np.asarray(adaptive.expected_tokens(state, (1, 2, 4), remaining))[0]  # [1, E(2), E(4)]
+    margin = adaptive.SWITCH_MARGIN
+    assert margin > 0
+
+    def chosen(four_faster_by: float, current: int | None, plain: float = 0.5) -> int:
+        costs = {1: e[0] / plain, 2: 1.0, 4: e[2] / (e[1] * four_faster_by)}  # value(4) = value(2) × four_faster_by
+        policy = adaptive.make_policy((1, 2, 4), costs)
+        return policy.lengths[int(adaptive.choose(policy, state, running, remaining, jnp.int32(0), current)[0])]
+
+    assert chosen(1 + margin / 2, None) == 4  # deciding afresh: the best length
+    assert chosen(1 + margin / 2, 1) == 2  # holding 2: 4 is not enough better
+    assert chosen(1 + 2 * margin, 1) == 4
+    assert chosen(1 - margin / 2, 2) == 4  # holding 4 against a slightly better 2
+    # A plain round that pays best ends drafting whatever the margin (value(1) = value(2) × 1.01 here).
+    assert chosen(1.0, 1, plain=1.01 * e[1]) == 1
+
+
 def test_carried_prior_pools_the_rows_that_drafted():
     state = adaptive.PolicyState(
         hits=jnp.zeros((3, 3)), tries=jnp.array([[0.5] * 3, [0.5] * 3, [0.0] * 3]),  # (decayed: not passed on)

@@ -80,6 +80,9 @@ NEVER_PAID_WAIT = 256  # ... is probed as rarely as this
 LIFETIME_TRIES = 64.0  # those counts over requests are scaled down to this many tries (older evidence fades)
 PROBE_LAUNCHES = 0.1  # plain rounds a probe's launch adds: the plain rounds after it run in its segment, so each probe
 # makes one segment more (a launch and its read-back measured ~0.09 of a plain round on a 2-core CPU)
+SWITCH_MARGIN = 0.1  # a held drafted length gives way only to a drafted one expected this much faster (``choose``'s
+# ``current``): estimates at the boundary of two lengths switched program every few rounds, a launch each (replayed
+# in the bench's order at three days' costs of a 2-core CPU: +0 to +1 point, never a loss)
 CARRY_WEIGHT = 2.0  # a prior carried from earlier requests counts as this many observations of the first slot
 PRIOR_SAMPLES, RECENT = 3, 32  # a measured (or cached) cost counts as 3 timed segments; the last 32 count
 EXPLORE_SAMPLES = PRIOR_SAMPLES + 1  # timed segments (over runs) a drafted length needs before only the policy
@@ -246,12 +249,20 @@ def tokens_of_lengths(survive: Array, lengths: tuple[int, ...], remaining: Array
 
 
 def choose(
-    policy: VerifyPolicy, state: PolicyState, running: Array, remaining: Array, round_index: Array
+    policy: VerifyPolicy, state: PolicyState, running: Array, remaining: Array, round_index: Array,
+    current: int | None = None,
 ) -> tuple[Array, Array]:
     """The candidate index (int32 scalar) for the next rounds of the batch, and whether it is a probe (the
-    caller then runs one round only before choosing again)."""
+    caller then runs one round only before choosing again). ``current`` (static): the index of the drafted length
+    running now, which gives way only to a length expected to bring ``SWITCH_MARGIN`` more tokens per second."""
     gain = jnp.sum(jnp.where(running[:, None], expected_tokens(state, policy.lengths, remaining), 0.0), axis=0)  # [L]
-    best = jnp.argmax(gain / policy.costs).astype(jnp.int32)
+    value = gain / policy.costs  # [L] expected tokens per second
+    best = jnp.argmax(value).astype(jnp.int32)
+    if current is not None:
+        # Stopping drafting is not held back: with the margin on it too, a drafter that turned useless drafted on
+        # (its decayed estimate of the first slot never falls below ~0.08; policy_sim.py: 0.88× our AR).
+        plain = (best == 0) if policy.lengths[0] == 1 else jnp.bool_(False)
+        best = jnp.where(plain | (value[best] > (1.0 + SWITCH_MARGIN) * value[current]), best, jnp.int32(current))
     lengths = jnp.asarray(policy.lengths, jnp.int32)
     probe_index = max(i for i, t in enumerate(policy.lengths) if t <= max(PROBE_LENGTH, policy.lengths[0]))
     due = (lengths[best] == 1) & jnp.any(running & (state.idle >= waits(policy, state)))

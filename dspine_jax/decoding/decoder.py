@@ -165,20 +165,22 @@ def segment(
         index, decide_at = policy.lengths.index(verify_len), transcript.iterations + decide_after
 
         def until(s: DecodeState, iterations: Array) -> Array:
-            chosen, probe = adaptive.choose(policy, s.stats, s.running, s.remaining, iterations)
+            chosen, probe = adaptive.choose(policy, s.stats, s.running, s.remaining, iterations, current=index)
             return (iterations >= decide_at) & ((chosen != index) | probe)
 
     state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, max_rounds, verify_len=verify_len,
                                       greedy=greedy, peek=peek, track=track, cut=policy if track else None,
                                       until=until)  # fmt: skip
-    return state, transcript, choose(policy, state.stats, state.running, state.remaining, transcript.iterations)
+    current = policy.lengths.index(verify_len) if until is not None else None
+    return state, transcript, choose(policy, state.stats, state.running, state.remaining, transcript.iterations,
+                                     current)  # fmt: skip
 
 
 def choose(policy: VerifyPolicy, stats: adaptive.PolicyState, running: Array, remaining: Array,
-           round_index: Array) -> Choice:  # fmt: skip
-    """The policy's choice for the rows as they are (``adaptive.choose``), with the plain rounds left before a
-    probe is due."""
-    index, probe = adaptive.choose(policy, stats, running, remaining, round_index)
+           round_index: Array, current: int | None = None) -> Choice:  # fmt: skip
+    """The policy's choice for the rows as they are (``adaptive.choose``; ``current``: the held drafted length's
+    index), with the plain rounds left before a probe is due."""
+    index, probe = adaptive.choose(policy, stats, running, remaining, round_index, current)
     until_probe = jnp.min(jnp.where(running, adaptive.waits(policy, stats) - stats.idle, adaptive.NEVER_PAID_WAIT))
     return Choice(index, probe, jnp.maximum(until_probe, 1), jnp.any(running))
 

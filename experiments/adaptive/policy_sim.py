@@ -148,8 +148,8 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
         pos, seconds, rounds = pos + step, seconds + (peek if peeking else costs[t]), rounds + 1
         ran.append(1 if peeking else t)
 
-    def choose() -> decoder.Choice:  # the device's rule, as segment and Decoder.plan run it
-        return decoder.choose(policy, stats, running, jnp.asarray([max(n - pos, 0)]), rounds)
+    def choose(current: int | None = None) -> decoder.Choice:  # the device's rule, as segment and Decoder.plan run it
+        return decoder.choose(policy, stats, running, jnp.asarray([max(n - pos, 0)]), rounds, current)
 
     def plain(count: int) -> None:
         for _ in range(count):
@@ -163,6 +163,7 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
             continue
         t, probe = lengths[int(choice.index)], bool(choice.probe)
         seconds += host
+        held = None  # the index of a held drafted length (``choose``'s current)
         if peek is not None and adaptive.peeks(t, probe, greedy=True):
             run(1, peeking=True)
             after = choose()
@@ -173,13 +174,14 @@ def simulate(trace: list[int], n: int, costs: dict[int, float], fixed: int | Non
         elif t == 1:
             plain(int(choice.until_probe))
         else:
+            held = int(choice.index) if hold else None
             for i in range(1, n):
                 run(t)
                 if pos >= n or i >= every and not hold:
                     break
-                if i >= every and (int((c := choose()).index) != int(choice.index) or bool(c.probe)):
+                if i >= every and (int((c := choose(held)).index) != int(choice.index) or bool(c.probe)):
                     break
-        choice = choose()
+        choice = choose(held)
     if carry == "final":
         stats = stats.replace(total_hits=stats.hits, total_tries=stats.tries)
     carried = jax.device_get(decoder.carried(stats, jnp.ones((1,), bool)))  # (the decoder's compiled one)
@@ -255,6 +257,10 @@ VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relati
                                                                {"carry": "final"}),
     "auto, a drafter that never paid probed as any other (before 2026-12-07, late)": (
         {"NEVER_PAID_TRIES": 1 << 30}, decoder.DECIDE_AFTER, True, True),
+    **{f"auto, a held length gives way only {m:.0%} faster": ({"SWITCH_MARGIN": m}, decoder.DECIDE_AFTER, True, True)
+       for m in (0.03, 0.06, 0.1, 0.15, 0.2)},
+    **{f"auto, probes at least every {k} rounds": ({"wait_cap": lambda policy, k=k: jnp.int32(k)},
+                                                   decoder.DECIDE_AFTER, True, True) for k in (7, 9, 14)},
 }
 
 

@@ -4,7 +4,7 @@ plain round plus a one-token draft: its segment less the plain rounds that follo
 read-back each as the decoder runs them; our AR decode (``generate``) timed between them. Interleaved repeats,
 medians, prefill excluded. Usage:
 
-    python experiments/adaptive/round_cost.py [--domain code] [--rounds 16] [--repeats 9] [--json out.json]
+    python experiments/adaptive/round_cost.py [--domain code] [--rounds 16] [--repeats 9] [--lengths 1,4] [--json out.json]
 
 ``--f32-drafter`` adds each drafted length with the drafter's bfloat16 panels widened to float32 (the same
 products from twice the bytes: what packing a bfloat16 checkpoint in bfloat16 saves).
@@ -56,12 +56,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", default=None, help="also write the medians here")
     ap.add_argument("--f32-drafter", action="store_true", help="also time drafted rounds with float32 drafter panels")
+    ap.add_argument("--lengths", default=None, help="time only these verify lengths, e.g. 1,4 (default: every candidate)")
     args = ap.parse_args()
     target = load_target(args.model)
     prompt = heldout_prompt(args.model, args.domain)
     proposer = as_proposer(load_draft(args.draft, target))
     lengths = adaptive.candidate_lengths(proposer.block_limit)
     t_max = max(lengths)
+    if args.lengths:
+        lengths = tuple(sorted({1} | {int(t) for t in args.lengths.split(",")}))  # (T = 1: the peek's plain rounds)
     cases = {f"T={t}": (t, False, proposer) for t in lengths} | {"peek": (1, True, proposer)}
     if args.f32_drafter:
         cases |= {f"T={t} f32": (t, False, panels.widen_params(proposer)) for t in lengths if t > 1}
