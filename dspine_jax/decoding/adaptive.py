@@ -18,7 +18,9 @@ Two parts, both small:
   ``a_i = (hits_i + w·a_{i-1}) / (tries_i + w)`` (``a_0 = p0``: an untested slot looks like the one before
   it); the expected tokens of a round of length ``T`` are
   ``E(T) = 1 + Σ_{k<T} Π_{i≤k} a_i`` (capped by the row's remaining budget). The batch shares one ``T``:
-  ``argmax_T Σ_running E_b(T) / cost(T)``. ``T = 1`` stops drafting; after ``wait`` such rounds a
+  ``argmax_T Σ_running E_b(T) / cost(T)``; a held drafted length gives way only to a drafted one ``SWITCH_MARGIN``
+  better (``choose``'s ``current``), so estimates at the boundary of two lengths do not switch program every few
+  rounds. ``T = 1`` stops drafting; after ``wait`` such rounds a
   **probe** (one round at ``PROBE_LENGTH``) refreshes the estimates, and every probe that brings no
   accepted token doubles the row's wait, so a useless drafter costs almost nothing. The wait is capped by
   what a probe costs (``wait_cap``: its round and the launch of the segment it makes): probes stay within
