@@ -84,7 +84,7 @@ PROBE_LAUNCHES = 0.1  # plain rounds a probe's launch adds: the plain rounds aft
 # makes one segment more (a launch and its read-back measured ~0.09 of a plain round on a 2-core CPU)
 SWITCH_MARGIN = 0.1  # a held drafted length gives way only to a drafted one expected this much faster (``choose``'s
 # ``current``): estimates at the boundary of two lengths switched program every few rounds, a launch each (replayed
-# in the bench's order at three days' costs of a 2-core CPU: +0 to +1 point, never a loss)
+# in the bench's order at three days' costs of a 2-core CPU: +0 to +1 point over all prompts)
 CARRY_WEIGHT = 2.0  # a prior carried from earlier requests counts as this many observations of the first slot
 PRIOR_SAMPLES, RECENT = 3, 32  # a measured (or cached) cost counts as 3 timed segments; the last 32 count
 EXPLORE_SAMPLES = PRIOR_SAMPLES + 1  # timed segments (over runs) a drafted length needs before only the policy

@@ -257,6 +257,8 @@ VARIANTS = {  # name → (adaptive constants (or its acceptance estimate) relati
                                                                {"carry": "final"}),
     "auto, a drafter that never paid probed as any other (before 2026-12-07, late)": (
         {"NEVER_PAID_TRIES": 1 << 30}, decoder.DECIDE_AFTER, True, True),
+    "auto, a held length gives way to any better one (before 2026-12-07, fourteenth)": (
+        {"SWITCH_MARGIN": 0.0}, decoder.DECIDE_AFTER, True, True),
     **{f"auto, a held length gives way only {m:.0%} faster": ({"SWITCH_MARGIN": m}, decoder.DECIDE_AFTER, True, True)
        for m in (0.03, 0.06, 0.1, 0.15, 0.2)},
     **{f"auto, probes at least every {k} rounds": ({"wait_cap": lambda policy, k=k: jnp.int32(k)},
