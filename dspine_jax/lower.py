@@ -368,7 +368,8 @@ def build_programs(target: tgt.Target, drafter: Drafter | Proposer, setup: Setup
         if want(name):
             fn = functools.partial(decoder.segment, verify_len=t, greedy=True, peek=peek)
             programs.append(Program(name, fn, (target, proposer, state, transcript, stop_ids, spec((), i32), policy,
-                                               spec((), i32)), drafts=kernels and (peek or t > 1)))  # fmt: skip
+                                               spec((), i32), spec((), jnp.bool_)),
+                                    drafts=kernels and (peek or t > 1)))  # fmt: skip
 
     # The serving engine's step (``serve/engine.py::step``) at each length and as a peek, over R = batch slots
     # (its state: the same rows' state as above).

@@ -393,6 +393,21 @@ def test_a_held_choice_that_turns_bad_ends_after_one_round(llama, monkeypatch):
     assert stepping == sorted(stepping, reverse=True) and len(stepping) >= 2, segments
 
 
+def test_the_margin_reaches_the_device_loop(llama, monkeypatch):
+    """``segment`` passes the held length to the policy, after each round and at the segment's end: with a margin no
+    drafted length can beat, a long block that stops paying is held until plain rounds pay best — no stepping down
+    through shorter blocks, as ``test_a_held_choice_that_turns_bad_ends_after_one_round`` does at the shipped margin."""
+    target, reference = llama
+    monkeypatch.setattr(adaptive, "SWITCH_MARGIN", 1e9)
+    jax.clear_caches()  # (the margin is read when a program is traced)
+    try:
+        segments = segments_of(monkeypatch, lambda: run_oracle(target, reference, [99] + [0] * 63))
+    finally:
+        jax.clear_caches()
+    assert segments[0] == (4, False, 1) and segments[1][0] == 16 and segments[1][2] > 1, segments
+    assert segments[2][0] == 1, segments  # held at 16, then plain
+
+
 def test_greedy_probes_peek_instead_of_verifying_two_tokens(llama):
     """Where drafting looks too dear on the prior alone (rounds start plain), the first probe is a peek: a plain
     round whose one-token draft is compared with the emitted token. An oracle that is always right is found

@@ -141,8 +141,8 @@ class Choice:
 
 def segment(
     target: tgt.Target, proposer: Proposer, state: DecodeState, transcript: Transcript, stop_ids: Array,
-    max_rounds: Array, policy: VerifyPolicy, decide_after: Array | None = None, *, verify_len: int, greedy: bool,
-    peek: bool = False,
+    max_rounds: Array, policy: VerifyPolicy, decide_after: Array | None = None, held: Array | None = None, *,
+    verify_len: int, greedy: bool, peek: bool = False,
 ) -> tuple[DecodeState, Transcript, Choice]:
     """``max_rounds`` rounds at ``verify_len`` (``decode_rounds``), then ``policy``'s next choice. A policy
     of one length is a fixed verify length: no statistics are kept. ``peek`` (a greedy probe): one peek, then
@@ -152,7 +152,10 @@ def segment(
     ``decide_after`` (drafted rounds of an adaptive policy): after that many rounds the segment also ends as
     soon as the policy, deciding after every round, would choose another length or a probe — a choice that
     holds stays on the device instead of costing a launch and a read-back every few rounds
-    (plain rounds need no such check: they change no estimate, and the host runs them until a probe is due)."""
+    (plain rounds need no such check: they change no estimate, and the host runs them until a probe is due).
+    ``held`` (traced bool, with ``decide_after``): the policy chose this length and holds it (``Decoder.plan``'s
+    ``decide_after`` is set), so it gives way only to a drafted length ``adaptive.SWITCH_MARGIN`` better — not a
+    probe's or an explored length's segment."""
     track = len(policy.lengths) > 1
     if peek:  # a probe: the peek, then plain rounds until the next probe is due (none if the policy now drafts)
         state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, jnp.int32(1), verify_len=1,
@@ -160,27 +163,28 @@ def segment(
         after = choose(policy, state.stats, state.running, state.remaining, transcript.iterations)
         plain = jnp.where((after.index == policy.lengths.index(1)) & ~after.probe, after.until_probe, 0)
         max_rounds, peek = jnp.minimum(plain, max_rounds - 1), False
-    until = None
+    until, current = None, None
     if decide_after is not None and track and verify_len > 1 and not peek:
         index, decide_at = policy.lengths.index(verify_len), transcript.iterations + decide_after
+        current = index if held is not None else None
 
         def until(s: DecodeState, iterations: Array) -> Array:
-            chosen, probe = adaptive.choose(policy, s.stats, s.running, s.remaining, iterations, current=index)
+            chosen, probe = adaptive.choose(policy, s.stats, s.running, s.remaining, iterations, current, held)
             return (iterations >= decide_at) & ((chosen != index) | probe)
 
     state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, max_rounds, verify_len=verify_len,
                                       greedy=greedy, peek=peek, track=track, cut=policy if track else None,
                                       until=until)  # fmt: skip
-    current = policy.lengths.index(verify_len) if until is not None else None
     return state, transcript, choose(policy, state.stats, state.running, state.remaining, transcript.iterations,
-                                     current)  # fmt: skip
+                                     current, held)  # fmt: skip
 
 
 def choose(policy: VerifyPolicy, stats: adaptive.PolicyState, running: Array, remaining: Array,
-           round_index: Array, current: int | None = None) -> Choice:  # fmt: skip
-    """The policy's choice for the rows as they are (``adaptive.choose``; ``current``: the held drafted length's
-    index), with the plain rounds left before a probe is due."""
-    index, probe = adaptive.choose(policy, stats, running, remaining, round_index, current)
+           round_index: Array, current: int | None = None, holding: Array | None = None) -> Choice:  # fmt: skip
+    """The policy's choice for the rows as they are (``adaptive.choose``; ``current``: the index of the length the
+    policy holds, where ``holding``), with the plain rounds left before a probe is due."""
+    index, probe = adaptive.choose(policy, stats, running, remaining, round_index, current,
+                                   True if holding is None else holding)  # fmt: skip
     until_probe = jnp.min(jnp.where(running, adaptive.waits(policy, stats) - stats.idle, adaptive.NEVER_PAID_WAIT))
     return Choice(index, probe, jnp.maximum(until_probe, 1), jnp.any(running))
 

@@ -152,7 +152,7 @@ def speculative_generate(
                                                    **begin_kwargs)  # fmt: skip
     for t, peek in decoder.programs(greedy):  # one program per length (and the peek), before the clock runs
         clock.compile(run_segment, target, proposer, state, transcript, stop_array, jnp.int32(1),
-                      decoder.policy(t), jnp.int32(1), verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
+                      decoder.policy(t), jnp.int32(1), jnp.bool_(False), verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
     if decoder.candidates:  # the program of a run's first choice (``Decoder.plan``)
         choice_args = (decoder.policy(), state.stats, state.running, state.remaining, jnp.int32(0))
         clock.compile(first_choice, *choice_args)
@@ -166,7 +166,7 @@ def speculative_generate(
             clock_start = time.perf_counter()
             rounds = jnp.int32(CALIBRATION_ROUNDS)  # (all of them: decide_after = rounds)
             _, tr, _ = jax.block_until_ready(run_segment(target, proposer, *fresh, no_stops, rounds, decoder.policy(t),
-                                                         rounds, verify_len=t, greedy=greedy))  # fmt: skip
+                                                         rounds, jnp.bool_(False), verify_len=t, greedy=greedy))  # fmt: skip
             return time.perf_counter() - clock_start, int(tr.iterations)
 
         calibration = decoder.calibrate(batch, lambda t: agree(measure(t)))  # process 0's clock for all
@@ -179,7 +179,8 @@ def speculative_generate(
         rounds = min(plan.rounds, out_width)
         state, transcript, choice = run_segment(target, proposer, state, transcript, stop_array, jnp.int32(rounds),
                                                 plan.policy, jnp.int32(plan.decide_after or rounds),
-                                                verify_len=plan.length, greedy=greedy, peek=plan.peek)  # fmt: skip
+                                                jnp.bool_(plan.decide_after is not None), verify_len=plan.length,
+                                                greedy=greedy, peek=plan.peek)  # fmt: skip
         choice, iterations = jax.device_get((choice, transcript.iterations))
         alive = bool(choice.alive)
         seconds = time.perf_counter() - segment_begin
