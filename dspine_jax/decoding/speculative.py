@@ -151,8 +151,8 @@ def speculative_generate(
     (state, transcript), start_seconds = clock.run(begin, cache, pstate, first, *begin_args, decoder.prior(),
                                                    **begin_kwargs)  # fmt: skip
     for t, peek in decoder.programs(greedy):  # one program per length (and the peek), before the clock runs
-        clock.compile(run_segment, target, proposer, state, transcript, stop_array, jnp.int32(1),
-                      decoder.policy(t), jnp.int32(1), jnp.bool_(False), verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
+        clock.compile(run_segment, target, proposer, state, transcript, stop_array, jnp.int32(1), decoder.policy(t),
+                      jnp.int32(1), jnp.bool_(False), verify_len=t, greedy=greedy, peek=peek)  # fmt: skip
     if decoder.candidates:  # the program of a run's first choice (``Decoder.plan``)
         choice_args = (decoder.policy(), state.stats, state.running, state.remaining, jnp.int32(0))
         clock.compile(first_choice, *choice_args)
@@ -166,7 +166,8 @@ def speculative_generate(
             clock_start = time.perf_counter()
             rounds = jnp.int32(CALIBRATION_ROUNDS)  # (all of them: decide_after = rounds)
             _, tr, _ = jax.block_until_ready(run_segment(target, proposer, *fresh, no_stops, rounds, decoder.policy(t),
-                                                         rounds, jnp.bool_(False), verify_len=t, greedy=greedy))  # fmt: skip
+                                                         rounds, jnp.bool_(False), verify_len=t,
+                                                         greedy=greedy))  # fmt: skip
             return time.perf_counter() - clock_start, int(tr.iterations)
 
         calibration = decoder.calibrate(batch, lambda t: agree(measure(t)))  # process 0's clock for all

@@ -4,7 +4,8 @@ plain round plus a one-token draft: its segment less the plain rounds that follo
 read-back each as the decoder runs them; our AR decode (``generate``) timed between them. Interleaved repeats,
 medians, prefill excluded. Usage:
 
-    python experiments/adaptive/round_cost.py [--domain code] [--rounds 16] [--repeats 9] [--lengths 1,4] [--json out.json]
+    python experiments/adaptive/round_cost.py [--domain code] [--rounds 16] [--repeats 9] [--lengths 1,4] \
+        [--json out.json]
 
 ``--f32-drafter`` adds each drafted length with the drafter's bfloat16 panels widened to float32 (the same
 products from twice the bytes: what packing a bfloat16 checkpoint in bfloat16 saves).
@@ -56,7 +57,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", default=None, help="also write the medians here")
     ap.add_argument("--f32-drafter", action="store_true", help="also time drafted rounds with float32 drafter panels")
-    ap.add_argument("--lengths", default=None, help="time only these verify lengths, e.g. 1,4 (default: every candidate)")
+    ap.add_argument("--lengths", default=None,
+                    help="time only these verify lengths, e.g. 1,4 (default: every candidate)")
     args = ap.parse_args()
     target = load_target(args.model)
     prompt = heldout_prompt(args.model, args.domain)
