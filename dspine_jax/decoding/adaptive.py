@@ -252,12 +252,12 @@ def tokens_of_lengths(survive: Array, lengths: tuple[int, ...], remaining: Array
 
 def choose(
     policy: VerifyPolicy, state: PolicyState, running: Array, remaining: Array, round_index: Array,
-    current: int | None = None, holding: Array | bool = True,
+    current: Array | int | None = None,
 ) -> tuple[Array, Array]:
     """The candidate index (int32 scalar) for the next rounds of the batch, and whether it is a probe (the
-    caller then runs one round only before choosing again). ``current`` (static): the index of a drafted length
-    the policy chose and holds (where ``holding``, traced), which gives way only to a drafted length expected to
-    bring ``SWITCH_MARGIN`` more tokens per second."""
+    caller then runs one round only before choosing again). ``current``: the index of a drafted length the policy
+    chose and holds (-1 or None: none), which gives way only to a drafted length expected to bring
+    ``SWITCH_MARGIN`` more tokens per second."""
     gain = jnp.sum(jnp.where(running[:, None], expected_tokens(state, policy.lengths, remaining), 0.0), axis=0)  # [L]
     value = gain / policy.costs  # [L] expected tokens per second
     best = jnp.argmax(value).astype(jnp.int32)
@@ -265,8 +265,9 @@ def choose(
         # Stopping drafting is not held back: with the margin on it too, a drafter that turned useless drafted on
         # (its decayed estimate of the first slot never falls below ~0.08; policy_sim.py: 0.88× our AR).
         plain = (best == 0) if policy.lengths[0] == 1 else jnp.bool_(False)
-        margin = jnp.where(holding, SWITCH_MARGIN, 0.0)
-        best = jnp.where(plain | (value[best] > (1.0 + margin) * value[current]), best, jnp.int32(current))
+        held = jnp.maximum(current, 0)
+        keep = (current >= 0) & ~plain & (value[best] <= (1.0 + SWITCH_MARGIN) * value[held])
+        best = jnp.where(keep, held, best).astype(jnp.int32)
     lengths = jnp.asarray(policy.lengths, jnp.int32)
     probe_index = max(i for i, t in enumerate(policy.lengths) if t <= max(PROBE_LENGTH, policy.lengths[0]))
     due = (lengths[best] == 1) & jnp.any(running & (state.idle >= waits(policy, state)))

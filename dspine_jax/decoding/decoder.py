@@ -166,25 +166,24 @@ def segment(
     until, current = None, None
     if decide_after is not None and track and verify_len > 1 and not peek:
         index, decide_at = policy.lengths.index(verify_len), transcript.iterations + decide_after
-        current = index if held is not None else None
+        current = None if held is None else jnp.where(held, index, -1)
 
         def until(s: DecodeState, iterations: Array) -> Array:
-            chosen, probe = adaptive.choose(policy, s.stats, s.running, s.remaining, iterations, current, held)
+            chosen, probe = adaptive.choose(policy, s.stats, s.running, s.remaining, iterations, current)
             return (iterations >= decide_at) & ((chosen != index) | probe)
 
     state, transcript = decode_rounds(target, proposer, state, transcript, stop_ids, max_rounds, verify_len=verify_len,
                                       greedy=greedy, peek=peek, track=track, cut=policy if track else None,
                                       until=until)  # fmt: skip
     return state, transcript, choose(policy, state.stats, state.running, state.remaining, transcript.iterations,
-                                     current, held)  # fmt: skip
+                                     current)  # fmt: skip
 
 
 def choose(policy: VerifyPolicy, stats: adaptive.PolicyState, running: Array, remaining: Array,
-           round_index: Array, current: int | None = None, holding: Array | None = None) -> Choice:  # fmt: skip
+           round_index: Array, current: Array | int | None = None) -> Choice:  # fmt: skip
     """The policy's choice for the rows as they are (``adaptive.choose``; ``current``: the index of the length the
-    policy holds, where ``holding``), with the plain rounds left before a probe is due."""
-    index, probe = adaptive.choose(policy, stats, running, remaining, round_index, current,
-                                   True if holding is None else holding)  # fmt: skip
+    policy holds, -1 or None: none), with the plain rounds left before a probe is due."""
+    index, probe = adaptive.choose(policy, stats, running, remaining, round_index, current)
     until_probe = jnp.min(jnp.where(running, adaptive.waits(policy, stats) - stats.idle, adaptive.NEVER_PAID_WAIT))
     return Choice(index, probe, jnp.maximum(until_probe, 1), jnp.any(running))
 
